@@ -1,0 +1,126 @@
+"""The backend protocol: what every lease store offers, one atomic round trip per call.
+
+A backend knows nothing of Celery or RQ. It grants, renews and releases leases on
+string keys (already namespaced by the caller), and answers who holds what for the
+CLI. Every store error leaves a backend as :class:`BackendUnavailable`; a backend
+never lets a client library's exception escape.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Optional
+from urllib.parse import urlsplit, urlunsplit
+
+from ..errors import BackendUnavailable
+
+
+@dataclass(frozen=True)
+class Lease:
+    """One grant of one key to one owner.
+
+    ``owner`` is a random token private to the holder: release and renew compare it,
+    so nobody can free or extend a lease they do not hold. ``fencing_token`` strictly
+    increases with every grant of the key; pass it to the storage the task writes so
+    that storage can refuse a writer whose lease has since been granted again.
+    """
+
+    key: str
+    owner: str
+    fencing_token: int
+    ttl: float
+    limit: int = 1
+
+
+@dataclass(frozen=True)
+class LeaseInfo:
+    """What the store says about a current holder, for ``holders()`` and the CLI."""
+
+    key: str
+    owner: str
+    fencing_token: Optional[int]
+    expires_in: Optional[float]
+    holder: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def task_id(self) -> Optional[str]:
+        return self.holder.get("task_id")
+
+    @property
+    def age(self) -> Optional[float]:
+        acquired_at = self.holder.get("acquired_at")
+        return None if acquired_at is None else max(0.0, time.time() - acquired_at)
+
+
+class Backend(abc.ABC):
+    """A lease store. Subclasses register a URL scheme in ``backends/__init__.py``."""
+
+    #: Whether ``wait()`` is woken by the store (True) or polls it (False).
+    pushes_wakeups: bool = False
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    @property
+    def safe_url(self) -> str:
+        """The URL with any password replaced, fit for logs and error messages."""
+        return redact_url(self.url)
+
+    @abc.abstractmethod
+    def try_acquire(
+        self,
+        key: str,
+        owner: str,
+        ttl: float,
+        limit: int = 1,
+        holder: Optional[Mapping[str, Any]] = None,
+    ) -> Optional[Lease]:
+        """Grant ``key`` to ``owner`` for ``ttl`` seconds if fewer than ``limit`` hold it.
+
+        ``holder`` is stored beside the lease for ``holders()`` (task id, hostname,
+        pid, acquired_at). Returns None when the key is full.
+        """
+
+    @abc.abstractmethod
+    def renew(self, leases: Iterable[Lease]) -> set[Lease]:
+        """Extend every lease by its ttl in one round trip; return those found lost."""
+
+    @abc.abstractmethod
+    def release(self, lease: Lease) -> bool:
+        """Free ``lease`` if its owner still holds it. Idempotent; True if it was freed."""
+
+    @abc.abstractmethod
+    def wait(self, key: str, timeout: float) -> None:
+        """Block until ``key`` may have a free slot, or ``timeout`` seconds pass."""
+
+    @abc.abstractmethod
+    def holders(self, prefix: str = "") -> list[LeaseInfo]:
+        """Every live lease whose key starts with ``prefix``."""
+
+    @abc.abstractmethod
+    def force_release(self, key: str) -> int:
+        """Free every lease on ``key`` whoever holds it (operators only). Returns how many."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, most backends have nothing to do
+        """Free connections and any per-process resources."""
+
+    def unavailable(self, action: str, exc: BaseException) -> BackendUnavailable:
+        """Build the one error every store failure becomes."""
+        return BackendUnavailable(
+            f"the lease store at {self.safe_url} did not answer while {action} "
+            f"({type(exc).__name__}: {exc}). Check that it is running and reachable, "
+            "or choose what tasks do meanwhile with exclusive_on_backend_error.",
+            self.safe_url,
+        )
+
+
+def redact_url(url: str) -> str:
+    """Replace the password in ``url`` with ``***``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))

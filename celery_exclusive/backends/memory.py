@@ -1,0 +1,122 @@
+"""In-process lease store: one Python process, for eager mode and unit tests.
+
+``memory://`` URLs with the same name share one store inside a process; nothing is
+shared across processes, so this store excludes nothing between workers.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Optional
+from urllib.parse import urlsplit
+
+from .base import Backend, Lease, LeaseInfo
+from .limits import check_limit
+
+
+@dataclass
+class _Grant:
+    fencing_token: int
+    expires_at: float
+    limit: int
+    holder: Mapping[str, Any]
+
+
+class _Store:
+    def __init__(self) -> None:
+        self.grants: dict[str, dict[str, _Grant]] = {}
+        self.fences: dict[str, int] = {}
+        self.changed = threading.Condition()
+
+    def live(self, key: str, now: float) -> dict[str, _Grant]:
+        grants = self.grants.get(key, {})
+        for owner in [o for o, g in grants.items() if g.expires_at <= now]:
+            del grants[owner]
+        if not grants:
+            self.grants.pop(key, None)
+        return grants
+
+
+_stores: dict[str, _Store] = {}
+_stores_lock = threading.Lock()
+
+
+class MemoryBackend(Backend):
+    pushes_wakeups = True
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        name = urlsplit(url).netloc or "default"
+        with _stores_lock:
+            self._store = _stores.setdefault(name, _Store())
+
+    def try_acquire(
+        self,
+        key: str,
+        owner: str,
+        ttl: float,
+        limit: int = 1,
+        holder: Optional[Mapping[str, Any]] = None,
+    ) -> Optional[Lease]:
+        store = self._store
+        with store.changed:
+            grants = store.live(key, time.monotonic())
+            check_limit(key, limit, {g.limit for g in grants.values()})
+            if len(grants) >= limit:
+                return None
+            token = store.fences[key] = store.fences.get(key, 0) + 1
+            store.grants.setdefault(key, {})[owner] = _Grant(
+                token, time.monotonic() + ttl, limit, json.loads(json.dumps(dict(holder or {})))
+            )
+            return Lease(key, owner, token, ttl, limit)
+
+    def renew(self, leases: Iterable[Lease]) -> set[Lease]:
+        lost = set()
+        store = self._store
+        with store.changed:
+            now = time.monotonic()
+            for lease in leases:
+                grant = store.live(lease.key, now).get(lease.owner)
+                if grant is None:
+                    lost.add(lease)
+                else:
+                    grant.expires_at = now + lease.ttl
+        return lost
+
+    def release(self, lease: Lease) -> bool:
+        store = self._store
+        with store.changed:
+            grants = store.live(lease.key, time.monotonic())
+            if grants.pop(lease.owner, None) is None:
+                return False
+            if not grants:
+                store.grants.pop(lease.key, None)
+            store.changed.notify_all()
+            return True
+
+    def wait(self, key: str, timeout: float) -> None:
+        store = self._store
+        with store.changed:
+            if store.live(key, time.monotonic()):
+                store.changed.wait(timeout)
+
+    def holders(self, prefix: str = "") -> list[LeaseInfo]:
+        store = self._store
+        now = time.monotonic()
+        with store.changed:
+            return [
+                LeaseInfo(key, owner, g.fencing_token, g.expires_at - now, g.holder)
+                for key in sorted(k for k in store.grants if k.startswith(prefix))
+                for owner, g in store.live(key, now).items()
+            ]
+
+    def force_release(self, key: str) -> int:
+        store = self._store
+        with store.changed:
+            released = len(store.live(key, time.monotonic()))
+            store.grants.pop(key, None)
+            store.changed.notify_all()
+            return released

@@ -1,0 +1,169 @@
+"""The backend protocol, as every lease store must honour it.
+
+Runs once per store in ``conftest.BACKEND_CASES`` against the real store.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+
+from celery_exclusive.errors import ConfigurationError
+
+
+def owner() -> str:
+    return uuid.uuid4().hex
+
+
+def test_a_free_key_is_granted_with_a_fencing_token(backend):
+    lease = backend.try_acquire("k", owner(), 10)
+    assert lease is not None
+    assert lease.key == "k"
+    assert isinstance(lease.fencing_token, int)
+
+
+def test_a_held_key_is_refused_to_another_owner(backend):
+    assert backend.try_acquire("k", owner(), 10) is not None
+    assert backend.try_acquire("k", owner(), 10) is None
+
+
+def test_fencing_tokens_strictly_increase_across_grants(backend):
+    tokens = []
+    for _ in range(3):
+        lease = backend.try_acquire("k", owner(), 10)
+        tokens.append(lease.fencing_token)
+        assert backend.release(lease)
+    assert tokens == sorted(set(tokens))
+
+
+def test_release_frees_the_key(backend):
+    lease = backend.try_acquire("k", owner(), 10)
+    assert backend.release(lease) is True
+    assert backend.try_acquire("k", owner(), 10) is not None
+
+
+def test_release_is_idempotent(backend):
+    lease = backend.try_acquire("k", owner(), 10)
+    assert backend.release(lease) is True
+    assert backend.release(lease) is False
+
+
+def test_nobody_can_release_a_lease_they_do_not_hold(backend):
+    held = backend.try_acquire("k", owner(), 10)
+    impostor = type(held)(held.key, owner(), held.fencing_token, held.ttl)
+    assert backend.release(impostor) is False
+    assert backend.try_acquire("k", owner(), 10) is None
+
+
+def test_an_unrenewed_lease_expires_after_its_ttl(backend, backend_case):
+    ttl = backend_case.short_ttl
+    backend.try_acquire("k", owner(), ttl)
+    time.sleep(ttl * 2.5)
+    assert backend.try_acquire("k", owner(), 10) is not None
+
+
+def test_renewal_keeps_a_lease_past_its_ttl(backend, backend_case):
+    ttl = backend_case.short_ttl
+    lease = backend.try_acquire("k", owner(), ttl)
+    for _ in range(6):
+        time.sleep(ttl / 3)
+        assert backend.renew([lease]) == set()
+    assert backend.try_acquire("k", owner(), 10) is None
+
+
+def test_renew_reports_exactly_the_leases_that_are_gone(backend):
+    kept = backend.try_acquire("kept", owner(), 10)
+    gone = backend.try_acquire("gone", owner(), 10)
+    backend.force_release("gone")
+    assert backend.renew([kept, gone]) == {gone}
+
+
+def test_renewing_a_released_lease_does_not_revive_it(backend):
+    lease = backend.try_acquire("k", owner(), 10)
+    backend.release(lease)
+    assert backend.renew([lease]) == {lease}
+    assert backend.try_acquire("k", owner(), 10) is not None
+
+
+def test_a_limit_admits_that_many_holders_and_no_more(backend):
+    leases = [backend.try_acquire("k", owner(), 10, limit=3) for _ in range(3)]
+    assert all(leases)
+    assert len({lease.fencing_token for lease in leases}) == 3
+    assert backend.try_acquire("k", owner(), 10, limit=3) is None
+
+
+def test_releasing_one_holder_of_a_limit_frees_one_slot(backend):
+    leases = [backend.try_acquire("k", owner(), 10, limit=2) for _ in range(2)]
+    backend.release(leases[0])
+    assert backend.try_acquire("k", owner(), 10, limit=2) is not None
+    assert backend.try_acquire("k", owner(), 10, limit=2) is None
+
+
+def test_an_expired_holder_of_a_limit_frees_its_slot(backend, backend_case):
+    ttl = backend_case.short_ttl
+    backend.try_acquire("k", owner(), ttl, limit=2)
+    backend.try_acquire("k", owner(), 30, limit=2)
+    time.sleep(ttl * 2.5)
+    assert backend.try_acquire("k", owner(), 10, limit=2) is not None
+
+
+def test_renewal_keeps_a_limit_slot(backend, backend_case):
+    ttl = backend_case.short_ttl
+    lease = backend.try_acquire("k", owner(), ttl, limit=2)
+    backend.try_acquire("k", owner(), 30, limit=2)
+    for _ in range(6):
+        time.sleep(ttl / 3)
+        assert backend.renew([lease]) == set()
+    assert backend.try_acquire("k", owner(), 10, limit=2) is None
+
+
+@pytest.mark.parametrize("first, second", [(1, 2), (2, 1), (2, 3)])
+def test_contenders_disagreeing_on_the_limit_get_a_configuration_error(backend, first, second):
+    backend.try_acquire("k", owner(), 10, limit=first)
+    with pytest.raises(ConfigurationError, match="exclusive_limit"):
+        backend.try_acquire("k", owner(), 10, limit=second)
+
+
+def test_wait_returns_soon_after_the_holder_releases(backend):
+    lease = backend.try_acquire("k", owner(), 10)
+    threading.Timer(0.3, backend.release, [lease]).start()
+    started = time.monotonic()
+    backend.wait("k", timeout=3)
+    waited = time.monotonic() - started
+    assert 0.2 < waited < 2.5
+    assert backend.try_acquire("k", owner(), 10) is not None
+
+
+def test_wait_gives_up_after_its_timeout(backend):
+    backend.try_acquire("k", owner(), 10)
+    started = time.monotonic()
+    backend.wait("k", timeout=0.5)
+    assert time.monotonic() - started >= 0.45
+
+
+def test_holders_describe_each_live_lease(backend):
+    lease = backend.try_acquire("app:k", owner(), 10, holder={"task_id": "t-1", "pid": 42})
+    backend.try_acquire("other:k", owner(), 10)
+    [info] = backend.holders("app:")
+    assert info.key == "app:k"
+    assert info.owner == lease.owner
+    assert info.fencing_token == lease.fencing_token
+    assert info.task_id == "t-1"
+    assert info.holder["pid"] == 42
+    assert 0 < info.expires_in <= 10
+
+
+def test_holders_list_every_holder_of_a_limit(backend):
+    tokens = {backend.try_acquire("k", owner(), 10, limit=2).fencing_token for _ in range(2)}
+    assert {info.fencing_token for info in backend.holders("k")} == tokens
+
+
+def test_force_release_frees_a_key_whoever_holds_it(backend):
+    backend.try_acquire("k", owner(), 10, limit=2)
+    backend.try_acquire("k", owner(), 10, limit=2)
+    assert backend.force_release("k") == 2
+    assert backend.holders("k") == []
+    assert backend.try_acquire("k", owner(), 10) is not None
