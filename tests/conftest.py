@@ -5,10 +5,10 @@ import uuid
 
 import pytest
 
-from tests.servers import RedisServer
-
 # pytest-celery, when installed, replaces this fixture with a Docker-based one.
 from celery.contrib.pytest import celery_worker  # noqa: F401
+
+from tests.servers import RedisServer
 
 _databases = itertools.count(1)
 
@@ -21,12 +21,17 @@ def redis_server():
     server.cleanup()
 
 
+def fresh_redis_db(server) -> str:
+    """The URL of a Redis database nobody else is using now, emptied."""
+    db = next(_databases) % 30 + 1
+    server.client(db).flushdb()
+    return server.url_for_db(db)
+
+
 @pytest.fixture
 def redis_url(redis_server):
     """A Redis database of the test's own, empty at start."""
-    db = next(_databases) % 30 + 1
-    redis_server.client(db).flushdb()
-    return redis_server.url_for_db(db)
+    return fresh_redis_db(redis_server)
 
 
 @pytest.fixture

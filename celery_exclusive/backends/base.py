@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import abc
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Optional
 from urllib.parse import urlsplit, urlunsplit
 
 from ..errors import BackendUnavailable
@@ -98,6 +99,10 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def holders(self, prefix: str = "") -> list[LeaseInfo]:
         """Every live lease whose key starts with ``prefix``."""
+
+    def holders_of(self, key: str) -> list[LeaseInfo]:
+        """The live leases on exactly ``key``. Stores with a direct lookup override this."""
+        return [info for info in self.holders(key) if info.key == key]
 
     @abc.abstractmethod
     def force_release(self, key: str) -> int:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Iterable, Mapping, Optional
+from collections.abc import Iterable, Mapping
+from typing import Any, Optional
 from urllib.parse import parse_qs, urlsplit
 
 import redis
@@ -236,12 +237,16 @@ class RedisBackend(Backend):
     def holders(self, prefix: str = "") -> list[LeaseInfo]:
         try:
             return [
-                info
-                for key in sorted(self._lease_keys(prefix))
-                for info in self._describe(key)
+                info for key in sorted(self._lease_keys(prefix)) for info in self._describe(key)
             ]
         except RedisError as exc:
             raise self.unavailable("listing holders", exc) from None
+
+    def holders_of(self, key: str) -> list[LeaseInfo]:
+        try:
+            return self._describe(key)
+        except RedisError as exc:
+            raise self.unavailable(f"reading {key!r}", exc) from None
 
     def _lease_keys(self, prefix: str) -> set[str]:
         pattern = _glob_escape(prefix) + "*"
@@ -262,9 +267,7 @@ class RedisBackend(Backend):
             if record is None:
                 return []
             record = json.loads(record)
-            return [
-                LeaseInfo(key, record["owner"], _int(fence), _seconds(pttl), record["holder"])
-            ]
+            return [LeaseInfo(key, record["owner"], _int(fence), _seconds(pttl), record["holder"])]
         if kind != "zset":
             return []
         now_ms = time.time() * 1000
@@ -275,8 +278,13 @@ class RedisBackend(Backend):
                 continue
             token, _, holder = details.get(owner, b"0 {}").decode().partition(" ")
             infos.append(
-                LeaseInfo(key, owner.decode(), int(token), (expiry - now_ms) / 1000,
-                          json.loads(holder or "{}"))
+                LeaseInfo(
+                    key,
+                    owner.decode(),
+                    int(token),
+                    (expiry - now_ms) / 1000,
+                    json.loads(holder or "{}"),
+                )
             )
         return infos
 

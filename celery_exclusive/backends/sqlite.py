@@ -14,7 +14,8 @@ import os
 import sqlite3
 import threading
 import time
-from typing import Any, Iterable, Mapping, Optional
+from collections.abc import Iterable, Mapping
+from typing import Any, Optional
 from urllib.parse import urlsplit
 
 from .base import Backend, Lease, LeaseInfo
@@ -101,9 +102,12 @@ class SQLiteBackend(Backend):
             conn.execute(
                 "DELETE FROM exclusive_leases WHERE key = ? AND expires_at <= ?", (key, now)
             )
-            limits = [r[0] for r in conn.execute(
-                "SELECT lease_limit FROM exclusive_leases WHERE key = ?", (key,)
-            )]
+            limits = [
+                r[0]
+                for r in conn.execute(
+                    "SELECT lease_limit FROM exclusive_leases WHERE key = ?", (key,)
+                )
+            ]
             check_limit(key, limit, limits)
             if len(limits) >= limit:
                 return None
@@ -150,10 +154,14 @@ class SQLiteBackend(Backend):
 
     def _live_count(self, key: str) -> int:
         try:
-            (count,) = self._connection().execute(
-                "SELECT COUNT(*) FROM exclusive_leases WHERE key = ? AND expires_at > ?",
-                (key, time.time()),
-            ).fetchone()
+            (count,) = (
+                self._connection()
+                .execute(
+                    "SELECT COUNT(*) FROM exclusive_leases WHERE key = ? AND expires_at > ?",
+                    (key, time.time()),
+                )
+                .fetchone()
+            )
         except (sqlite3.Error, OSError) as exc:
             raise self.unavailable(f"reading {key!r}", exc) from None
         return count
@@ -171,11 +179,15 @@ class SQLiteBackend(Backend):
     def holders(self, prefix: str = "") -> list[LeaseInfo]:
         now = time.time()
         try:
-            rows = self._connection().execute(
-                "SELECT key, owner, fencing_token, expires_at, holder FROM exclusive_leases "
-                "WHERE substr(key, 1, ?) = ? AND expires_at > ? ORDER BY key, fencing_token",
-                (len(prefix), prefix, now),
-            ).fetchall()
+            rows = (
+                self._connection()
+                .execute(
+                    "SELECT key, owner, fencing_token, expires_at, holder FROM exclusive_leases "
+                    "WHERE substr(key, 1, ?) = ? AND expires_at > ? ORDER BY key, fencing_token",
+                    (len(prefix), prefix, now),
+                )
+                .fetchall()
+            )
         except (sqlite3.Error, OSError) as exc:
             raise self.unavailable("listing holders", exc) from None
         return [

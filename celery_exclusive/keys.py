@@ -1,0 +1,200 @@
+"""Turning a call's arguments into the key its lease is taken on.
+
+A key that cannot be built is an error naming the task and the argument. It never
+falls back to something coarser such as the bare task name: that would silently
+turn a per-invoice lock into one global lock.
+"""
+
+from __future__ import annotations
+
+import datetime
+import decimal
+import hashlib
+import inspect
+import json
+import string
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable, Union
+
+from .errors import ExclusiveKeyError
+
+#: Keys longer than this are hashed so they stay cheap to store and send.
+MAX_KEY_LENGTH = 200
+
+KeySpec = Union[None, str, Sequence[str], Callable[[tuple, dict], str]]
+
+
+def build_key(
+    task_name: str, function: Callable, spec: KeySpec, args: Sequence[Any], kwargs: Mapping
+) -> str:
+    """The lease key (without the store prefix) for calling ``function(*args, **kwargs)``.
+
+    ``spec`` is what the user wrote as ``exclusive_key``:
+
+    - ``None``: the task name plus every bound argument, defaults applied, so that
+      ``settle(7)`` and ``settle(invoice_id=7)`` share a key.
+    - a format string such as ``"invoice:{invoice_id}"``, filled from the bound
+      arguments. It is used as written: two tasks with the same format string
+      exclude each other, which is how to serialise different tasks on one record.
+    - a list of argument names: the task name plus those arguments.
+    - a callable ``(args, kwargs) -> str``.
+    """
+    if callable(spec):
+        return _from_callable(task_name, spec, args, kwargs)
+    arguments = _bind(task_name, function, args, kwargs)
+    if spec is None:
+        return _canonical(task_name, arguments)
+    if isinstance(spec, str):
+        return _format(task_name, spec, arguments)
+    if isinstance(spec, (list, tuple)):
+        missing = [name for name in spec if name not in arguments]
+        if missing:
+            raise ExclusiveKeyError(
+                f"{task_name}: exclusive_key names the argument {missing[0]!r}, which the task "
+                f"does not take (it takes: {', '.join(arguments) or 'nothing'}).",
+                task_name,
+                missing[0],
+            )
+        return _canonical(task_name, {name: arguments[name] for name in spec})
+    raise ExclusiveKeyError(
+        f"{task_name}: exclusive_key must be a format string, a list of argument names or a "
+        f"callable (args, kwargs) -> str, not {type(spec).__name__}.",
+        task_name,
+    )
+
+
+def check_key_spec(task_name: str, function: Callable, spec: KeySpec) -> None:
+    """Catch a key that can never be built before any call is made (at worker start)."""
+    if spec is None or callable(spec):
+        return
+    names = _parameter_names(function)
+    if names is None:
+        return
+    fields = _format_fields(task_name, spec) if isinstance(spec, str) else list(spec)
+    unknown = [f for f in fields if f not in names]
+    if unknown:
+        raise ExclusiveKeyError(
+            f"{task_name}: exclusive_key {spec!r} refers to {unknown[0]!r}, which is not an "
+            f"argument of the task (its arguments: {', '.join(names) or 'none'}).",
+            task_name,
+            unknown[0],
+        )
+
+
+def _bind(task_name: str, function: Callable, args: Sequence, kwargs: Mapping) -> dict[str, Any]:
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        # No introspectable signature: key on what was passed, positionally and by name.
+        return {**{f"arg{i}": a for i, a in enumerate(args)}, **kwargs}
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise ExclusiveKeyError(
+            f"{task_name}: cannot build the lease key because the call does not match the "
+            f"task's signature {signature}: {exc}.",
+            task_name,
+            _missing_argument(str(exc)),
+        ) from None
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _parameter_names(function: Callable) -> list[str] | None:
+    try:
+        return list(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return None
+
+
+def _format_fields(task_name: str, spec: str) -> list[str]:
+    try:
+        parsed = list(string.Formatter().parse(spec))
+    except ValueError as exc:
+        raise ExclusiveKeyError(
+            f"{task_name}: exclusive_key {spec!r} is not a valid format string: {exc}.", task_name
+        ) from None
+    fields = []
+    for _, field, _, _ in parsed:
+        if field is not None:
+            name = field.split(".")[0].split("[")[0]
+            if not name or name.isdigit():
+                raise ExclusiveKeyError(
+                    f"{task_name}: exclusive_key {spec!r} must name arguments, as in "
+                    f"'invoice:{{invoice_id}}', not use positional fields.",
+                    task_name,
+                )
+            fields.append(name)
+    return fields
+
+
+def _format(task_name: str, spec: str, arguments: Mapping[str, Any]) -> str:
+    _format_fields(task_name, spec)
+    try:
+        return spec.format_map(arguments)
+    except (KeyError, AttributeError, IndexError) as exc:
+        field = exc.args[0] if exc.args else "?"
+        raise ExclusiveKeyError(
+            f"{task_name}: exclusive_key {spec!r} refers to {field!r}, which this call does not "
+            f"provide (arguments: {', '.join(arguments) or 'none'}).",
+            task_name,
+            str(field),
+        ) from None
+
+
+def _from_callable(task_name: str, spec: Callable, args: Sequence, kwargs: Mapping) -> str:
+    try:
+        key = spec(tuple(args), dict(kwargs))
+    except Exception as exc:
+        raise ExclusiveKeyError(
+            f"{task_name}: the exclusive_key callable raised {type(exc).__name__}: {exc}.",
+            task_name,
+        ) from exc
+    if not isinstance(key, str) or not key:
+        raise ExclusiveKeyError(
+            f"{task_name}: the exclusive_key callable must return a non-empty str, "
+            f"it returned {key!r}.",
+            task_name,
+        )
+    return key
+
+
+def _canonical(task_name: str, arguments: Mapping[str, Any]) -> str:
+    """``task_name:`` plus canonical JSON of the arguments; hashed when long."""
+    encoded = {}
+    for name, value in arguments.items():
+        try:
+            encoded[name] = json.dumps(
+                value, sort_keys=True, separators=(",", ":"), default=_encode
+            )
+        except (TypeError, ValueError) as exc:
+            raise ExclusiveKeyError(
+                f"{task_name}: cannot build the lease key from argument {name!r}: {exc}. "
+                "Name the arguments that identify the work with exclusive_key.",
+                task_name,
+                name,
+            ) from None
+    body = "{" + ",".join(f"{json.dumps(name)}:{encoded[name]}" for name in sorted(encoded)) + "}"
+    key = f"{task_name}:{body}"
+    if len(key) > MAX_KEY_LENGTH:
+        key = f"{task_name}:sha256:{hashlib.sha256(body.encode()).hexdigest()}"
+    return key
+
+
+def _encode(value: Any) -> Any:
+    """The few non-JSON types that have one obvious canonical text."""
+    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, (uuid.UUID, decimal.Decimal)):
+        return str(value)
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=repr)
+    raise TypeError(f"{type(value).__name__} has no canonical form")
+
+
+def _missing_argument(message: str) -> str | None:
+    # inspect's TypeError reads "missing a required argument: 'invoice_id'".
+    if "'" in message:
+        return message.split("'")[1]
+    return None

@@ -1,0 +1,22 @@
+"""Signals users can connect to, sent by the lease and policy layers.
+
+Each is sent with ``sender`` = the task (or job function) name and keyword
+arguments ``key`` and ``task_id``; the extra arguments are listed per signal.
+Receivers run in the worker process that holds (or missed) the lease.
+"""
+
+from celery.utils.dispatch import Signal
+
+#: A lease was granted. Extra: ``fencing_token``.
+lease_acquired = Signal(name="lease_acquired", providing_args={"key", "task_id", "fencing_token"})
+
+#: A lease was given back by its holder. Extra: ``held_for`` (seconds).
+lease_released = Signal(name="lease_released", providing_args={"key", "task_id", "held_for"})
+
+#: A held lease was found gone (expired or taken) while its holder ran. Extra: ``reason``.
+lease_lost = Signal(name="lease_lost", providing_args={"key", "task_id", "reason"})
+
+#: A call found its key held. Extra: ``policy`` (skip/requeue/wait/rerun), ``holder_task_id``.
+duplicate_detected = Signal(
+    name="duplicate_detected", providing_args={"key", "task_id", "policy", "holder_task_id"}
+)

@@ -1,0 +1,131 @@
+"""A Celery app for end-to-end tests, configured from the environment.
+
+Every run of an exclusive task appends (key, fencing token, start, end) to a ledger
+list in Redis, so tests can check from outside that no two runs overlapped.
+
+EXCLUSIVE_TEST_BROKER   broker (and result backend) URL
+EXCLUSIVE_TEST_STORE    lease store URL (exclusive_backend_url)
+EXCLUSIVE_TEST_LEDGER   Redis URL of the ledger
+EXCLUSIVE_TEST_TTL      lease ttl in seconds
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import redis
+from celery import Celery
+from celery.exceptions import Ignore, Reject
+
+from celery_exclusive import ExclusiveTask
+
+app = Celery("ledger")
+app.conf.update(
+    broker_url=os.environ.get("EXCLUSIVE_TEST_BROKER", "memory://"),
+    result_backend=os.environ.get("EXCLUSIVE_TEST_BROKER", "cache+memory://"),
+    exclusive_backend_url=os.environ.get("EXCLUSIVE_TEST_STORE", "memory://"),
+    exclusive_lease_ttl=float(os.environ.get("EXCLUSIVE_TEST_TTL", "2")),
+    exclusive_requeue_delay=0.05,
+    exclusive_requeue_max_delay=0.5,
+    exclusive_wait_timeout=30,
+    worker_prefetch_multiplier=1,
+    broker_connection_retry_on_startup=True,
+    result_extended=True,
+)
+for name in ("on_duplicate", "on_backend_error", "on_lease_lost", "wait_timeout", "limit"):
+    value = os.environ.get(f"EXCLUSIVE_TEST_{name.upper()}")
+    if value is not None:
+        app.conf[f"exclusive_{name}"] = value if not value[0].isdigit() else float(value)
+
+_ledger = None
+
+
+def ledger() -> redis.Redis:
+    global _ledger
+    if _ledger is None:
+        _ledger = redis.Redis.from_url(os.environ.get("EXCLUSIVE_TEST_LEDGER", "redis://"))
+    return _ledger
+
+
+def run(task, key: str, duration: float) -> dict:
+    """The body every ledger task shares: hold the key for ``duration`` seconds."""
+    lease = task.lease
+    start = time.time()
+    time.sleep(duration)
+    entry = {
+        "key": key,
+        "token": lease.fencing_token if lease else None,
+        "start": start,
+        "end": time.time(),
+        "task_id": task.request.id,
+        "pid": os.getpid(),
+        "lost": lease.lost if lease else None,
+        "requeues": int(getattr(task.request, "exclusive_requeues", 0) or 0),
+        "retries": task.request.retries,
+    }
+    ledger().rpush("ledger", json.dumps(entry))
+    return entry
+
+
+def _ledger_task(policy: str):
+    @app.task(
+        name=f"ledger.hold_{policy}",
+        base=ExclusiveTask,
+        bind=True,
+        exclusive_key="{key}",
+        exclusive_on_duplicate=policy,
+    )
+    def hold(self, key: str, duration: float = 0.0) -> dict:
+        return run(self, key, duration)
+
+    return hold
+
+
+hold_skip = _ledger_task("skip")
+hold_requeue = _ledger_task("requeue")
+hold_wait = _ledger_task("wait")
+
+
+@app.task(base=ExclusiveTask, bind=True, exclusive_key="{key}", acks_late=True)
+def hold_acks_late(self, key: str, duration: float = 0.0) -> dict:
+    return run(self, key, duration)
+
+
+@app.task(base=ExclusiveTask, bind=True, exclusive_key="{key}", max_retries=5)
+def retry_once(self, key: str) -> dict:
+    """Retries itself once, immediately: the retry must not find its own lease."""
+    if self.request.retries == 0:
+        raise self.retry(countdown=0)
+    return run(self, key, 0)
+
+
+@app.task(base=ExclusiveTask, bind=True, exclusive_key="{key}")
+def fail(self, key: str, how: str) -> None:
+    ledger().rpush("entered", key)
+    if how == "raise":
+        raise ValueError("boom")
+    if how == "ignore":
+        raise Ignore()
+    if how == "reject":
+        raise Reject("rejected", requeue=False)
+    if how == "sleep":
+        time.sleep(30)
+
+
+@app.task(base=ExclusiveTask, bind=True, exclusive_key="{key}", soft_time_limit=0.5)
+def overrun(self, key: str) -> None:
+    time.sleep(5)
+
+
+@app.task(base=ExclusiveTask, bind=True, exclusive_key="{key}", time_limit=1)
+def overrun_hard(self, key: str) -> None:
+    time.sleep(10)
+
+
+@app.task(base=ExclusiveTask, bind=True, exclusive_key="{key}", exclusive_on_lease_lost="abort")
+def hold_abort(self, key: str, duration: float) -> dict:
+    entry = run(self, key, duration)
+    self.lease.ensure_held()
+    return entry

@@ -1,0 +1,237 @@
+"""ExclusiveTask on real Celery workers (prefork, two worker processes), per lease store.
+
+Each run appends (key, fencing token, start, end) to a ledger in Redis; overlap is
+checked from the ledger, outside the workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+
+import pytest
+import redis
+from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
+
+from celery_exclusive import DuplicateSkipped, backend_for_url
+from tests.apps import ledger as ledger_app
+from tests.conftest import fresh_redis_db
+from tests.workers import Worker, overlaps, read_ledger
+
+KEYS = [f"key-{i}" for i in range(10)]
+
+
+class Stack:
+    """Broker, lease store and ledger shared by one module's workers."""
+
+    def __init__(self, server, broker: str, ledger_url: str, store: str, tmp_path_factory):
+        self.server = server
+        self.broker, self.ledger_url = broker, ledger_url
+        for url in (broker, ledger_url):
+            redis.Redis.from_url(url).flushdb()
+        if store == "redis":
+            self.store = fresh_redis_db(server)
+        else:
+            self.store = f"sqlite:///{tmp_path_factory.mktemp('leases')}/leases.db"
+        self.ledger = redis.Redis.from_url(self.ledger_url)
+        self.ttl = 2.0
+
+    def env(self, **overrides) -> dict:
+        env = {
+            "EXCLUSIVE_TEST_BROKER": self.broker,
+            "EXCLUSIVE_TEST_STORE": self.store,
+            "EXCLUSIVE_TEST_LEDGER": self.ledger_url,
+            "EXCLUSIVE_TEST_TTL": str(self.ttl),
+        }
+        env.update({f"EXCLUSIVE_TEST_{k.upper()}": str(v) for k, v in overrides.items()})
+        return env
+
+    def worker(self, name: str, **kwargs) -> Worker:
+        return Worker("tests.apps.ledger", self.env(), name=name, **kwargs)
+
+    def configure_client(self) -> None:
+        """Point this (test) process's copy of the app at the same broker and store."""
+        ledger_app.app.conf.update(
+            broker_url=self.broker, result_backend=self.broker, exclusive_backend_url=self.store
+        )
+        for task in ledger_app.app.tasks.values():
+            task._exclusive_settings = None
+
+    def holders(self, key: str):
+        return backend_for_url(self.store).holders_of("exclusive:" + key)
+
+    def reset(self) -> None:
+        self.ledger.delete("ledger", "entered")
+
+
+@pytest.fixture(scope="session")
+def client_dbs(redis_server):
+    """Broker and ledger databases: one pair per session, since the test process's
+    Celery client keeps its broker connections for the whole run."""
+    return fresh_redis_db(redis_server), fresh_redis_db(redis_server)
+
+
+@pytest.fixture(scope="module", params=["redis", "sqlite"])
+def stack(request, redis_server, client_dbs, tmp_path_factory):
+    stack = Stack(redis_server, *client_dbs, request.param, tmp_path_factory)
+    stack.configure_client()
+    workers = [stack.worker("w1").start(), stack.worker("w2").start()]
+    stack.workers = workers
+    yield stack
+    for worker in workers:
+        worker.stop()
+
+
+@pytest.fixture
+def cluster(stack):
+    stack.reset()
+    return stack
+
+
+def wait_until(predicate, timeout: float, step: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step)
+    return predicate()
+
+
+def start_holding(task, key: str, duration: float, cluster) -> object:
+    """Send a long task and return once a worker holds its lease."""
+    result = task.delay(key, duration)
+    assert wait_until(lambda: cluster.holders(key), timeout=15), "holder never started"
+    return result
+
+
+# --- exclusion ------------------------------------------------------------------
+
+
+def test_two_workers_never_overlap_runs_of_one_key(cluster):
+    results = [ledger_app.hold_requeue.delay(KEYS[i % len(KEYS)], 0.01) for i in range(200)]
+    states = [r.get(timeout=120) and r.state for r in results]
+    entries = read_ledger(cluster.ledger)
+    assert states == ["SUCCESS"] * 200
+    assert len(entries) == 200
+    assert overlaps(entries) == []
+    assert len({e["pid"] for e in entries}) > 1, "work was not spread across processes"
+
+
+def test_skipped_duplicates_end_in_a_readable_state_and_never_overlap(cluster):
+    results = [ledger_app.hold_skip.delay(KEYS[i % 3], 0.05) for i in range(60)]
+    outcomes = {"SUCCESS": 0, "FAILURE": 0}
+    for result in results:
+        with contextlib.suppress(DuplicateSkipped):
+            result.get(timeout=60)
+        outcomes[result.state] += 1
+    entries = read_ledger(cluster.ledger)
+    assert outcomes["SUCCESS"] + outcomes["FAILURE"] == 60
+    assert outcomes["SUCCESS"] == len(entries)
+    assert outcomes["FAILURE"] > 0, "expected some duplicates with 4 processes on 3 keys"
+    assert overlaps(entries) == []
+
+
+def test_fencing_tokens_increase_with_each_run_of_a_key(cluster):
+    for _ in range(3):
+        ledger_app.hold_skip.delay("fenced", 0).get(timeout=30)
+    tokens = [e["token"] for e in read_ledger(cluster.ledger)]
+    assert tokens == sorted(set(tokens)) and len(tokens) == 3
+
+
+# --- duplicates -------------------------------------------------------------------
+
+
+def test_skip_raises_duplicate_skipped_naming_the_key_and_the_holder(cluster):
+    holder = start_holding(ledger_app.hold_skip, "busy", 1.5, cluster)
+    duplicate = ledger_app.hold_skip.delay("busy", 0)
+    with pytest.raises(DuplicateSkipped) as info:
+        duplicate.get(timeout=10)
+    assert info.value.key == "exclusive:busy"
+    assert info.value.holder_task_id == holder.id
+    assert duplicate.state == "FAILURE"
+    holder.get(timeout=10)
+
+
+def test_requeue_runs_the_duplicate_after_the_holder_finishes(cluster):
+    holder = start_holding(ledger_app.hold_requeue, "busy", 1.0, cluster)
+    duplicate = ledger_app.hold_requeue.delay("busy", 0)
+    first, second = holder.get(timeout=20), duplicate.get(timeout=20)
+    assert second["start"] >= first["end"]
+    assert second["requeues"] >= 1
+    assert second["retries"] == 0, "requeues must not spend the task's max_retries"
+
+
+def test_wait_is_woken_by_the_release_not_by_its_timeout(cluster):
+    holder = start_holding(ledger_app.hold_wait, "busy", 1.0, cluster)
+    duplicate = ledger_app.hold_wait.delay("busy", 0)
+    first, second = holder.get(timeout=20), duplicate.get(timeout=20)
+    assert second["start"] >= first["end"]
+    assert second["requeues"] == 0, "the duplicate should have waited, not been requeued"
+    # exclusive_wait_timeout is 30 s: starting this soon means the release woke it.
+    assert second["start"] - first["end"] < 5
+
+
+# --- lease lifetime ---------------------------------------------------------------
+
+
+def test_a_task_running_three_ttls_keeps_its_lease_and_excludes_duplicates(cluster):
+    holder = start_holding(ledger_app.hold_skip, "long", cluster.ttl * 3, cluster)
+    time.sleep(cluster.ttl * 2)
+    duplicate = ledger_app.hold_skip.delay("long", 0)
+    with pytest.raises(DuplicateSkipped):
+        duplicate.get(timeout=10)
+    entry = holder.get(timeout=30)
+    assert entry["lost"] is False
+    assert [e["task_id"] for e in read_ledger(cluster.ledger)] == [holder.id]
+
+
+# --- release on every exit ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["raise", "ignore", "reject"])
+def test_the_lease_is_released_when_the_body_ends_abnormally(cluster, how):
+    result = ledger_app.fail.delay(f"exit-{how}", how)
+    if how == "raise":
+        with pytest.raises(ValueError):
+            result.get(timeout=10)
+        assert cluster.holders(f"exit-{how}") == []
+    else:
+        key = f"exit-{how}".encode()
+        assert wait_until(lambda: key in cluster.ledger.lrange("entered", 0, -1), timeout=10)
+        assert wait_until(lambda: not cluster.holders(f"exit-{how}"), timeout=10)
+    ledger_app.hold_skip.delay(f"exit-{how}", 0).get(timeout=10)
+
+
+def test_a_retry_does_not_find_its_own_lease(cluster):
+    entry = ledger_app.retry_once.delay("retrying").get(timeout=20)
+    assert entry["retries"] == 1
+    assert cluster.holders("retrying") == []
+
+
+def test_the_lease_is_released_after_a_soft_time_limit(cluster):
+    with pytest.raises(SoftTimeLimitExceeded):
+        ledger_app.overrun.delay("soft").get(timeout=10)
+    assert cluster.holders("soft") == []
+
+
+def test_the_main_process_frees_the_lease_of_a_child_killed_by_a_hard_time_limit(cluster):
+    with pytest.raises(TimeLimitExceeded):
+        ledger_app.overrun_hard.delay("hard").get(timeout=10)
+    # ttl is 2 s; freed by the main process well before it could expire.
+    assert wait_until(lambda: not cluster.holders("hard"), timeout=1.5)
+
+
+def test_the_main_process_frees_the_lease_of_a_sigkilled_child(cluster):
+    result = start_holding(ledger_app.hold_skip, "killed", 30, cluster)
+    [info] = cluster.holders("killed")
+    killed_at = time.monotonic()
+    os.kill(info.holder["pid"], signal.SIGKILL)
+    assert wait_until(lambda: not cluster.holders("killed"), timeout=cluster.ttl + 1)
+    freed_after = time.monotonic() - killed_at
+    assert freed_after < cluster.ttl, "expected the worker's main process to release it"
+    with pytest.raises(Exception, match="WorkerLost|SIGKILL|exited"):
+        result.get(timeout=10)
+    ledger_app.hold_skip.delay("killed", 0).get(timeout=10)

@@ -1,0 +1,117 @@
+"""Real ``celery worker`` processes for end-to-end tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tests.servers import kill_tree
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Worker:
+    """One ``celery worker`` subprocess with its log in a file the test can read."""
+
+    def __init__(
+        self,
+        app: str,
+        env: dict,
+        pool: str = "prefork",
+        concurrency: int = 2,
+        name: str = "w1",
+        extra: tuple = (),
+    ):
+        self.args = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            app,
+            "worker",
+            "-P",
+            pool,
+            "-c",
+            str(concurrency),
+            "-n",
+            f"{name}@%h",
+            "-l",
+            "INFO",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+            *extra,
+        ]
+        self.env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+        self.log = Path(tempfile.mkstemp(prefix=f"worker-{name}-", suffix=".log")[1])
+        self.process: subprocess.Popen | None = None
+
+    def start(self, wait: bool = True) -> Worker:
+        with open(self.log, "wb") as out:
+            self.process = subprocess.Popen(
+                self.args,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                cwd=ROOT,
+                start_new_session=True,
+            )
+        if wait:
+            self.wait_for_log("ready.", timeout=60)
+        return self
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for_log(self, text: str, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.output():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"worker exited ({self.process.returncode}):\n{self.output()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {text!r} in worker log:\n{self.output()[-3000:]}")
+            time.sleep(0.05)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.process is None:
+            return 0
+        if self.process.poll() is None:
+            kill_tree(self.process, sig)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                kill_tree(self.process, signal.SIGKILL)
+                self.process.wait(10)
+        # Pool children may outlive a killed parent: leave nothing behind.
+        kill_tree(self.process, signal.SIGKILL)
+        return self.process.returncode
+
+    def __enter__(self) -> Worker:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def read_ledger(client) -> list[dict]:
+    return [json.loads(raw) for raw in client.lrange("ledger", 0, -1)]
+
+
+def overlaps(entries: list[dict]) -> list[tuple[dict, dict]]:
+    """Pairs of runs of one key whose [start, end] intervals intersect."""
+    found = []
+    by_key: dict[str, list[dict]] = {}
+    for entry in entries:
+        by_key.setdefault(entry["key"], []).append(entry)
+    for runs in by_key.values():
+        runs.sort(key=lambda e: e["start"])
+        for earlier, later in zip(runs, runs[1:]):
+            if later["start"] < earlier["end"]:
+                found.append((earlier, later))
+    return found
