@@ -21,7 +21,7 @@ from celery.worker.request import Request
 
 from . import config, policies
 from .backends import Backend, Lease, backend_for_url
-from .errors import BackendUnavailable, DuplicateSkipped, ExclusiveKeyError
+from .errors import BackendUnavailable, ConfigurationError, DuplicateSkipped, ExclusiveKeyError
 from .keys import build_key, check_key_spec
 from .lease import HeldLease
 
@@ -329,7 +329,11 @@ class CheckExclusiveSettings(bootsteps.Step):
 
     def __init__(self, worker, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
-        check_app(worker.app)
+        try:
+            check_app(worker.app)
+        except (ConfigurationError, ExclusiveKeyError) as exc:
+            # The message says what to fix; a traceback through Celery's start-up adds nothing.
+            raise SystemExit(f"celery-exclusive: {type(exc).__name__}: {exc}") from None
 
 
 def check_app(app) -> None:

@@ -28,6 +28,13 @@ def fresh_redis_db(server) -> str:
     return server.url_for_db(db)
 
 
+@pytest.fixture(scope="session")
+def client_dbs(redis_server):
+    """Broker and ledger databases: one pair per session, since the test process's
+    Celery client keeps its broker connections for the whole run."""
+    return fresh_redis_db(redis_server), fresh_redis_db(redis_server)
+
+
 @pytest.fixture
 def redis_url(redis_server):
     """A Redis database of the test's own, empty at start."""

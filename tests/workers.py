@@ -82,7 +82,9 @@ class Worker:
         if self.process is None:
             return 0
         if self.process.poll() is None:
-            kill_tree(self.process, sig)
+            # Signal the main process only, as an init system would: a SIGTERM to the
+            # pool children too would kill the tasks a warm shutdown should finish.
+            self.process.send_signal(sig)
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
