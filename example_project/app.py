@@ -36,6 +36,7 @@ app.conf.update(
         "data_folder_in": QUEUE,
         "data_folder_out": QUEUE,
         "processed_folder": os.path.join(VAR, "processed"),
+        "control_folder": os.path.join(VAR, "control"),
         "store_processed": True,  # claims are renames within VAR: one filesystem
         "polling_interval": 0.05,
     },
