@@ -59,11 +59,35 @@ class BackendCase:
         self.short_ttl = short_ttl
 
 
+@pytest.fixture(scope="session")
+def consul_server():
+    """A real agent (CONSUL_HTTP_ADDR, or ``consul agent -dev``) if there is one, else the
+    emulator in tests/consul_emulator.py."""
+    from tests.consul_emulator import start_consul
+
+    server = start_consul()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def consul_url(consul_server, monkeypatch):
+    """A KV folder of the test's own on the session's Consul."""
+    from celery_exclusive.backends.consul import ConsulBackend
+
+    monkeypatch.setattr(ConsulBackend, "min_session_ttl", consul_server.min_session_ttl)
+    return f"{consul_server.url}/exclusive-tests/{uuid.uuid4().hex}"
+
+
 #: Contract-suite stores by name; each value builds a BackendCase from the test's fixtures.
 BACKEND_CASES = {
     "memory": lambda request: BackendCase(request.getfixturevalue("memory_url")),
     "sqlite": lambda request: BackendCase(request.getfixturevalue("sqlite_url")),
     "redis": lambda request: BackendCase(request.getfixturevalue("redis_url")),
+    "consul": lambda request: BackendCase(
+        request.getfixturevalue("consul_url"),
+        short_ttl=request.getfixturevalue("consul_server").short_ttl,
+    ),
 }
 
 
