@@ -54,7 +54,7 @@ class Stack:
         return backend_for_url(self.store).holders_of("exclusive:" + key)
 
     def reset(self) -> None:
-        self.ledger.delete("ledger", "entered")
+        self.ledger.delete("ledger", "entered", "signals")
 
 
 def wait_until(predicate, timeout: float, step: float = 0.02):

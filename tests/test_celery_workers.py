@@ -7,6 +7,7 @@ checked from the ledger, outside the workers.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import time
@@ -167,3 +168,22 @@ def test_the_main_process_frees_the_lease_of_a_sigkilled_child(cluster):
     with pytest.raises(Exception, match="WorkerLost|SIGKILL|exited"):
         result.get(timeout=10)
     ledger_app.hold_skip.delay("killed", 0).get(timeout=10)
+
+
+# --- signals ----------------------------------------------------------------------
+
+
+def test_signals_fire_inside_the_worker(cluster):
+    holder = start_holding(ledger_app.hold_skip, "signalled", 1.0, cluster)
+    duplicate = ledger_app.hold_skip.delay("signalled", 0)
+    with pytest.raises(DuplicateSkipped):
+        duplicate.get(timeout=10)
+    holder.get(timeout=10)
+    seen = [json.loads(raw) for raw in cluster.ledger.lrange("signals", 0, -1)]
+    assert [(s["signal"], s["task_id"]) for s in seen] == [
+        ("lease_acquired", holder.id),
+        ("duplicate_detected", duplicate.id),
+        ("lease_released", holder.id),
+    ]
+    assert seen[1]["policy"] == "skip" and seen[1]["holder_task_id"] == holder.id
+    assert {s["key"] for s in seen} == {"exclusive:signalled"}

@@ -19,7 +19,7 @@ import redis
 from celery import Celery
 from celery.exceptions import Ignore, Reject
 
-from celery_exclusive import ExclusiveTask
+from celery_exclusive import ExclusiveTask, signals
 
 app = Celery("ledger")
 app.conf.update(
@@ -129,3 +129,19 @@ def hold_abort(self, key: str, duration: float) -> dict:
     entry = run(self, key, duration)
     self.lease.ensure_held()
     return entry
+
+
+def _record_signal(signal, sender, key, task_id, **extra):
+    """Every celery-exclusive signal the worker sends, as seen from inside the worker."""
+    entry = {"signal": signal.name, "sender": sender, "key": key, "task_id": task_id}
+    entry.update({k: v for k, v in extra.items() if k in ("policy", "holder_task_id")})
+    ledger().rpush("signals", json.dumps(entry))
+
+
+for _signal in (
+    signals.lease_acquired,
+    signals.lease_released,
+    signals.lease_lost,
+    signals.duplicate_detected,
+):
+    _signal.connect(_record_signal, weak=False)
