@@ -2,6 +2,14 @@
 
 Most tests look inside the emulator (its sessions, its request log); they are skipped
 when the suite runs against a real agent (CONSUL_HTTP_ADDR or a ``consul`` binary).
+
+python-consul2 (the ``consul`` extra) and py-consul install the same module; to run
+these tests on py-consul, use a clean virtualenv (not --system-site-packages)::
+
+    python3 -m venv /tmp/pyconsul && /tmp/pyconsul/bin/pip install -e . celery redis \
+        pytest pytest-timeout py-consul
+    /tmp/pyconsul/bin/python -m pytest tests/test_backend_contract.py \
+        tests/test_consul_backend.py -k consul
 """
 
 from __future__ import annotations
