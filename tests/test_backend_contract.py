@@ -167,3 +167,85 @@ def test_force_release_frees_a_key_whoever_holds_it(backend):
     assert backend.force_release("k") == 2
     assert backend.holders("k") == []
     assert backend.try_acquire("k", owner(), 10) is not None
+
+
+# --- records: small values only the lease holder can write ----------------------------
+
+
+def test_a_record_never_written_reads_as_none(backend):
+    assert backend.read_record("beat:last") is None
+
+
+def test_the_holder_writes_a_record_everyone_can_read(backend):
+    lease = backend.try_acquire("beat", owner(), 10)
+    assert backend.write_record(lease, "beat:last", "2024-01-01T00:00:00+00:00") is True
+    assert backend.read_record("beat:last") == "2024-01-01T00:00:00+00:00"
+
+
+def test_a_later_write_replaces_the_record(backend):
+    lease = backend.try_acquire("beat", owner(), 10)
+    backend.write_record(lease, "beat:last", "one")
+    backend.write_record(lease, "beat:last", "two")
+    assert backend.read_record("beat:last") == "two"
+
+
+def test_records_are_independent_of_each_other(backend):
+    lease = backend.try_acquire("beat", owner(), 10)
+    backend.write_record(lease, "beat:a", "a")
+    backend.write_record(lease, "beat:b", "b")
+    assert (backend.read_record("beat:a"), backend.read_record("beat:b")) == ("a", "b")
+
+
+def test_a_released_lease_cannot_write_a_record(backend):
+    lease = backend.try_acquire("beat", owner(), 10)
+    backend.write_record(lease, "beat:last", "mine")
+    backend.release(lease)
+    assert backend.write_record(lease, "beat:last", "stale") is False
+    assert backend.read_record("beat:last") == "mine"
+
+
+def test_an_expired_lease_cannot_write_a_record(backend, backend_case):
+    ttl = backend_case.short_ttl
+    lease = backend.try_acquire("beat", owner(), ttl)
+    time.sleep(ttl * 2.5)
+    assert backend.write_record(lease, "beat:last", "stale") is False
+    assert backend.read_record("beat:last") is None
+
+
+def test_a_former_holder_cannot_overwrite_the_new_holders_record(backend):
+    old = backend.try_acquire("beat", owner(), 10)
+    backend.force_release("beat")
+    new = backend.try_acquire("beat", owner(), 10)
+    assert backend.write_record(new, "beat:last", "new") is True
+    assert backend.write_record(old, "beat:last", "old") is False
+    assert backend.read_record("beat:last") == "new"
+
+
+def test_a_holder_of_a_limit_can_write_a_record(backend):
+    lease = backend.try_acquire("k", owner(), 10, limit=2)
+    assert backend.write_record(lease, "k:last", "v") is True
+    assert backend.read_record("k:last") == "v"
+
+
+def test_records_do_not_show_up_as_holders(backend):
+    lease = backend.try_acquire("app:beat", owner(), 10)
+    backend.write_record(lease, "app:beat:last", "v")
+    assert [info.key for info in backend.holders("app:")] == ["app:beat"]
+
+
+def test_concurrent_writers_with_and_without_the_lease_leave_only_the_holders_value(backend):
+    held = backend.try_acquire("beat", owner(), 10)
+    stale = type(held)(held.key, owner(), held.fencing_token, held.ttl)
+    answers: dict[str, list[bool]] = {"held": [], "stale": []}
+
+    def write(name, lease):
+        for i in range(50):
+            answers[name].append(backend.write_record(lease, "beat:last", f"{name}-{i}"))
+
+    threads = [threading.Thread(target=write, args=a) for a in (("held", held), ("stale", stale))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(answers["held"]) and not any(answers["stale"])
+    assert backend.read_record("beat:last") == "held-49"

@@ -108,6 +108,37 @@ class Backend(abc.ABC):
     def force_release(self, key: str) -> int:
         """Free every lease on ``key`` whoever holds it (operators only). Returns how many."""
 
+    #: Whether ``read_record`` / ``write_record`` are implemented (the leader-elected
+    #: beat scheduler refuses, at start, a store that cannot keep its records).
+    stores_records: bool = False
+
+    def read_record(self, key: str) -> Optional[str]:
+        """The value last written to record ``key``, or None if it was never written.
+
+        Records are small strings kept beside the leases and never expire. Only a
+        lease holder can write one (:meth:`write_record`), so a record tells whoever
+        holds the lease next exactly what the previous holders did: the beat leader
+        keeps each schedule entry's last run time in one.
+        """
+        raise NotImplementedError(self._no_records("read_record"))
+
+    def write_record(self, lease: Lease, key: str, value: str) -> bool:
+        """Set record ``key`` to ``value`` if ``lease`` is still held; False if it is not.
+
+        The check and the write are one atomic step in the store (a fenced write): a
+        holder whose lease expired or was taken can never overwrite what the new holder
+        wrote, and a False answer is proof that the lease is gone.
+        """
+        raise NotImplementedError(self._no_records("write_record"))
+
+    def _no_records(self, method: str) -> str:
+        return (
+            f"{type(self).__name__} ({self.safe_url}) does not implement {method}() yet, "
+            "which the leader-elected beat scheduler needs to remember the last tick it "
+            "sent. Point exclusive_beat_backend_url at a redis://, sqlite:// or memory:// "
+            "store meanwhile."
+        )
+
     def close(self) -> None:  # noqa: B027 - optional hook, most backends have nothing to do
         """Free connections and any per-process resources."""
 

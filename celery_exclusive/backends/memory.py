@@ -30,6 +30,7 @@ class _Store:
     def __init__(self) -> None:
         self.grants: dict[str, dict[str, _Grant]] = {}
         self.fences: dict[str, int] = {}
+        self.records: dict[str, str] = {}
         self.changed = threading.Condition()
 
     def live(self, key: str, now: float) -> dict[str, _Grant]:
@@ -47,6 +48,7 @@ _stores_lock = threading.Lock()
 
 class MemoryBackend(Backend):
     pushes_wakeups = True
+    stores_records = True
 
     def __init__(self, url: str) -> None:
         super().__init__(url)
@@ -121,3 +123,15 @@ class MemoryBackend(Backend):
             store.grants.pop(key, None)
             store.changed.notify_all()
             return released
+
+    def read_record(self, key: str) -> Optional[str]:
+        with self._store.changed:
+            return self._store.records.get(key)
+
+    def write_record(self, lease: Lease, key: str, value: str) -> bool:
+        store = self._store
+        with store.changed:
+            if lease.owner not in store.live(lease.key, time.monotonic()):
+                return False
+            store.records[key] = value
+            return True

@@ -9,6 +9,8 @@ Keys for a lease key ``K`` (already namespaced, e.g. ``exclusive:invoice:7``):
 ``K:~fence``      the fencing counter, INCRed on every grant. It never expires: a
                   counter that restarted at 1 would let an old writer pass a fence.
 ``K:~signal``     a short list pushed on release; waiters BLPOP it.
+``R:~record``     the value of record ``R`` (``write_record``), a plain string that
+                  never expires, written by a script that first checks the lease.
 
 A mutex and a semaphore on the same key are different Redis types, so contenders
 that disagree on the limit get WRONGTYPE, reported as a ConfigurationError.
@@ -28,8 +30,8 @@ from redis.exceptions import RedisError, ResponseError
 from ..errors import ConfigurationError
 from .base import Backend, Lease, LeaseInfo
 
-FENCE, HOLDERS, SIGNAL = ":~fence", ":~holders", ":~signal"
-_AUX = (FENCE, HOLDERS, SIGNAL)
+FENCE, HOLDERS, SIGNAL, RECORD = ":~fence", ":~holders", ":~signal", ":~record"
+_AUX = (FENCE, HOLDERS, SIGNAL, RECORD)
 
 #: Seconds to connect, and to wait for any non-blocking reply.
 CONNECT_TIMEOUT, SOCKET_TIMEOUT = 2.0, 5.0
@@ -131,6 +133,26 @@ end
 return released
 """
 
+# KEYS: K (the lease key), R:~record   ARGV: owner, limit, value
+# Writes the record only if the owner holds K now: the fenced write of write_record().
+_WRITE_RECORD = """
+local held = false
+if tonumber(ARGV[2]) == 1 then
+  local record = redis.call('GET', KEYS[1])
+  held = record and cjson.decode(record).owner == ARGV[1]
+else
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local expiry = redis.call('ZSCORE', KEYS[1], ARGV[1])
+  held = expiry and tonumber(expiry) > now
+end
+if not held then
+  return 0
+end
+redis.call('SET', KEYS[2], ARGV[3])
+return 1
+"""
+
 
 def client_from_url(url: str) -> redis.Redis:
     """A client for ``redis://``, ``rediss://`` or ``redis+sentinel://`` URLs.
@@ -165,6 +187,7 @@ def client_from_url(url: str) -> redis.Redis:
 
 class RedisBackend(Backend):
     pushes_wakeups = True
+    stores_records = True
 
     def __init__(self, url: str, client: Optional[redis.Redis] = None) -> None:
         super().__init__(url)
@@ -172,6 +195,7 @@ class RedisBackend(Backend):
         self._acquire = self.client.register_script(_ACQUIRE)
         self._renew = self.client.register_script(_RENEW)
         self._release = self.client.register_script(_RELEASE)
+        self._write_record = self.client.register_script(_WRITE_RECORD)
 
     def _call(self, action: str, key: str, fn, *args, **kwargs):
         try:
@@ -297,6 +321,21 @@ class RedisBackend(Backend):
             return count
 
         return self._call(f"force-releasing {key!r}", key, force)
+
+    def read_record(self, key: str) -> Optional[str]:
+        value = self._call(f"reading the record {key!r}", key, self.client.get, key + RECORD)
+        return value.decode() if isinstance(value, bytes) else value
+
+    def write_record(self, lease: Lease, key: str, value: str) -> bool:
+        return bool(
+            self._call(
+                f"writing the record {key!r}",
+                lease.key,
+                self._write_record,
+                keys=[lease.key, key + RECORD],
+                args=[lease.owner, lease.limit, value],
+            )
+        )
 
     def close(self) -> None:
         self.client.close()

@@ -35,6 +35,10 @@ CREATE TABLE IF NOT EXISTS exclusive_fences (
     key TEXT PRIMARY KEY,
     counter INTEGER NOT NULL
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS exclusive_records (
+    key TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+) WITHOUT ROWID;
 """
 
 #: How long a writer waits for the database lock before the store counts as unavailable.
@@ -53,6 +57,8 @@ def path_from_url(url: str) -> str:
 
 
 class SQLiteBackend(Backend):
+    stores_records = True
+
     def __init__(self, url: str) -> None:
         super().__init__(url)
         self.path = path_from_url(url)
@@ -203,6 +209,32 @@ class SQLiteBackend(Backend):
             return cursor.rowcount
 
         return self._write(f"force-releasing {key!r}", force)
+
+    def read_record(self, key: str) -> Optional[str]:
+        try:
+            row = (
+                self._connection()
+                .execute("SELECT value FROM exclusive_records WHERE key = ?", (key,))
+                .fetchone()
+            )
+        except (sqlite3.Error, OSError) as exc:
+            raise self.unavailable(f"reading the record {key!r}", exc) from None
+        return None if row is None else row[0]
+
+    def write_record(self, lease: Lease, key: str, value: str) -> bool:
+        # One statement inside BEGIN IMMEDIATE: the holder check and the upsert see the
+        # same database, and no other process can expire or take the lease in between.
+        def write(conn: sqlite3.Connection) -> bool:
+            cursor = conn.execute(
+                "INSERT INTO exclusive_records (key, value) SELECT ?, ? WHERE EXISTS ("
+                "  SELECT 1 FROM exclusive_leases"
+                "  WHERE key = ? AND owner = ? AND expires_at > ?"
+                ") ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                (key, value, lease.key, lease.owner, time.time()),
+            )
+            return cursor.rowcount > 0
+
+        return self._write(f"writing the record {key!r}", write)
 
     def close(self) -> None:
         conn = getattr(self._local, "conn", None)

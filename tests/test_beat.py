@@ -1,0 +1,291 @@
+"""The leader-elected beat scheduler on real ``celery beat`` processes.
+
+Every beat runs the same one-second schedule (``tests/apps/beat_app.py``) with its
+own schedule file; a real worker appends each run, with the second it was sent for
+and the pid of the beat that sent it, to a ledger in Redis. A tick is a wall-clock
+second: the same second in the ledger twice is a duplicate, a second missing
+outside a failover window is a gap.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_exclusive import ConfigurationError, backend_for_url, register_scheme
+from celery_exclusive.backends.memory import MemoryBackend
+from celery_exclusive.beat import LeaderScheduler
+from tests.conftest import fresh_redis_db
+from tests.servers import kill_tree
+from tests.workers import ROOT, Worker
+
+TTL = 2.4
+RETRY = TTL / 3
+#: Slack for process scheduling on a busy two-core machine.
+SLACK = 0.5
+LEASE_KEY = "exclusive:beat:beat_app"
+
+
+class Beat:
+    """One ``celery beat`` subprocess with its own schedule file and log."""
+
+    def __init__(self, env: dict, name: str, scheduler: str, directory: Path):
+        self.name = name
+        self.args = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "tests.apps.beat_app",
+            "beat",
+            "-S",
+            scheduler,
+            "--schedule",
+            str(directory / f"{name}-schedule"),
+            "-l",
+            "INFO",
+        ]
+        self.env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+        self.log = Path(tempfile.mkstemp(prefix=f"beat-{name}-", suffix=".log")[1])
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def start(self) -> Beat:
+        with open(self.log, "wb") as out:
+            self.process = subprocess.Popen(
+                self.args,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                cwd=ROOT,
+                start_new_session=True,
+            )
+        return self
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.process is not None and self.process.poll() is None:
+            kill_tree(self.process, sig)
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                kill_tree(self.process, signal.SIGKILL)
+                self.process.wait(5)
+
+
+class Stack:
+    """Broker, lease store, ledger and worker shared by one test's beats."""
+
+    def __init__(self, server, store: str, tmp_path: Path, inner: str = ""):
+        self.broker = fresh_redis_db(server)
+        ledger_url = fresh_redis_db(server)
+        self.ledger = redis.Redis.from_url(ledger_url)
+        self.store = fresh_redis_db(server) if store == "redis" else f"sqlite:///{tmp_path}/l.db"
+        self.tmp_path = tmp_path
+        self.env = {
+            "EXCLUSIVE_TEST_BROKER": self.broker,
+            "EXCLUSIVE_TEST_STORE": self.store,
+            "EXCLUSIVE_TEST_LEDGER": ledger_url,
+            "EXCLUSIVE_TEST_TTL": str(TTL),
+            "EXCLUSIVE_TEST_INNER": inner,
+        }
+        self.beats: list[Beat] = []
+        self.worker = Worker("tests.apps.beat_app", self.env, pool="solo", name="beat-worker")
+
+    def beat(self, name: str, scheduler: str = "exclusive") -> Beat:
+        beat = Beat(self.env, name, scheduler, self.tmp_path)
+        self.beats.append(beat)
+        return beat.start()
+
+    def ticks(self) -> list[dict]:
+        return [json.loads(raw) for raw in self.ledger.lrange("ticks", 0, -1)]
+
+    def leader(self):
+        """The holder record of the beat lease, or None while nobody leads."""
+        infos = backend_for_url(self.store).holders_of(LEASE_KEY)
+        return infos[0] if infos else None
+
+    def wait_for_sends(self, pid: int, count: int, timeout: float = 20) -> list[dict]:
+        """Wait until beat ``pid`` has sent ``count`` ticks; return them."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            sent = [t for t in self.ticks() if t["pid"] == pid]
+            if len(sent) >= count:
+                return sent
+            time.sleep(0.05)
+        raise TimeoutError(f"beat {pid} sent fewer than {count} ticks:\n{self.logs()}")
+
+    def wait_for_new_leader(self, old_pid: int, timeout: float = 20):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            info = self.leader()
+            if info is not None and info.holder["pid"] != old_pid:
+                return info
+            time.sleep(0.02)
+        raise TimeoutError(f"no beat took over from {old_pid}:\n{self.logs()}")
+
+    def wait_until_drained(self, quiet: float = 1.5, timeout: float = 20) -> list[dict]:
+        """The ledger once the worker has run everything sent (no change for ``quiet`` s)."""
+        deadline = time.monotonic() + timeout
+        count, since = -1, time.monotonic()
+        while time.monotonic() < deadline:
+            now_count = self.ledger.llen("ticks")
+            if now_count != count:
+                count, since = now_count, time.monotonic()
+            elif time.monotonic() - since > quiet:
+                break
+            time.sleep(0.1)
+        return self.ticks()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {b.name}\n{b.output()[-2000:]}" for b in self.beats)
+
+    def stop(self) -> None:
+        for beat in self.beats:
+            beat.stop(signal.SIGKILL)
+        self.worker.stop()
+
+
+@pytest.fixture
+def make_stack(redis_server, tmp_path):
+    stacks = []
+
+    def make(store: str, inner: str = "") -> Stack:
+        stack = Stack(redis_server, store, tmp_path, inner)
+        stacks.append(stack)
+        stack.worker.start()
+        return stack
+
+    yield make
+    for stack in stacks:
+        stack.stop()
+
+
+def duplicates(ticks: list[dict]) -> list[int]:
+    slots = [t["slot"] for t in ticks]
+    return sorted({s for s in slots if slots.count(s) > 1})
+
+
+def missing(ticks: list[dict]) -> set[int]:
+    slots = {t["slot"] for t in ticks}
+    return set(range(min(slots), max(slots) + 1)) - slots
+
+
+def failover(stack: Stack, leader: Beat, sig: int, beats: list[Beat]) -> tuple[float, Beat, set]:
+    """Stop ``leader`` with ``sig``; return how long until another beat held the lease,
+    that beat, and the seconds a tick may be missing for (the failover window)."""
+    stopped_at = time.time()
+    leader.stop(sig)
+    info = stack.wait_for_new_leader(leader.pid)
+    took_over = info.holder["acquired_at"] - stopped_at
+    successor = next(b for b in beats if b.pid == info.holder["pid"])
+    # The dead leader may not have sent the second it died in; the successor sends the
+    # second it took over in at once, and nothing in between is sent by anyone.
+    window = set(range(int(stopped_at), int(info.holder["acquired_at"])))
+    return took_over, successor, window
+
+
+# --- failover -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "store, inner",
+    [("redis", ""), ("sqlite", "celery.beat:Scheduler")],
+    ids=["redis-persistent-scheduler", "sqlite-plain-scheduler"],
+)
+def test_across_a_kill_and_a_sigterm_every_tick_is_sent_exactly_once(make_stack, store, inner):
+    stack = make_stack(store, inner)
+    beats = [
+        stack.beat("b1", "exclusive"),
+        stack.beat("b2", "celery_exclusive.beat:LeaderScheduler"),
+        stack.beat("b3", "exclusive"),
+    ]
+    stack.wait_for_new_leader(old_pid=-1, timeout=30)
+    first = next(b for b in beats if b.pid == stack.leader().holder["pid"])
+    stack.wait_for_sends(first.pid, 3)
+
+    killed, second, window_kill = failover(stack, first, signal.SIGKILL, beats)
+    stack.wait_for_sends(second.pid, 3)
+    handed, third, window_term = failover(stack, second, signal.SIGTERM, beats)
+    stack.wait_for_sends(third.pid, 3)
+    third.stop(signal.SIGTERM)
+    ticks = stack.wait_until_drained()
+
+    print(
+        f"\n[{store}] failover after SIGKILL {killed:.2f}s, after SIGTERM {handed:.2f}s; "
+        f"{len(ticks)} ticks, {len(missing(ticks))} in failover windows not sent"
+    )
+    assert duplicates(ticks) == []
+    assert missing(ticks) <= window_kill | window_term, stack.logs()
+    assert killed <= TTL + RETRY + SLACK
+    assert handed <= RETRY + SLACK
+    assert {t["pid"] for t in ticks} == {first.pid, second.pid, third.pid}
+    assert not any("Traceback" in beat.output() for beat in beats), stack.logs()
+
+
+# --- leadership ---------------------------------------------------------------------
+
+
+def test_holders_name_the_host_and_process_of_the_leading_beat(make_stack):
+    stack = make_stack("redis")
+    beats = [stack.beat("b1"), stack.beat("b2")]
+    info = stack.wait_for_new_leader(old_pid=-1, timeout=30)
+    assert info.key == LEASE_KEY
+    assert info.holder["task"] == "celery beat"
+    assert info.holder["pid"] in {b.pid for b in beats}
+    assert info.holder["hostname"]
+    assert info.holder["scheduler"] == "celery.beat:PersistentScheduler"
+
+
+def test_a_leader_whose_lease_is_taken_stops_sending_and_logs_an_error(make_stack):
+    stack = make_stack("redis")
+    beat = stack.beat("b1")
+    stack.wait_for_sends(beat.pid, 2, timeout=30)
+    backend = backend_for_url(stack.store)
+    backend.force_release(LEASE_KEY)
+    assert backend.try_acquire(LEASE_KEY, "impostor", 30) is not None
+    taken_at = time.time()
+    time.sleep(3)
+    late = [t for t in stack.ticks() if t["at"] > taken_at + 0.1]
+    assert late == []
+    assert "ERROR" in beat.output() and "stops sending" in beat.output()
+
+
+# --- configuration, checked when beat starts --------------------------------------------
+
+
+class NoRecordsBackend(MemoryBackend):
+    """A store that has not implemented records yet."""
+
+    stores_records = False
+
+
+def test_a_store_that_keeps_no_records_is_refused_at_start():
+    register_scheme("norecords", "tests.test_beat:NoRecordsBackend")
+    app = Celery("refuse", set_as_current=False)
+    app.conf.exclusive_backend_url = "norecords://"
+    with pytest.raises(ConfigurationError, match="exclusive_beat_backend_url"):
+        LeaderScheduler(app, lazy=True)
+
+
+def test_an_inner_scheduler_that_cannot_be_imported_is_refused_at_start():
+    app = Celery("refuse", set_as_current=False)
+    app.conf.exclusive_backend_url = "memory://"
+    app.conf.exclusive_beat_scheduler = "no_such_module.schedulers:DatabaseScheduler"
+    with pytest.raises(ConfigurationError, match="exclusive_beat_scheduler"):
+        LeaderScheduler(app, lazy=True)
