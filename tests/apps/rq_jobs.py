@@ -1,0 +1,81 @@
+"""RQ job functions for end-to-end tests, configured from the environment.
+
+Every run appends (key, fencing token, start, end) to the ``ledger`` list in Redis,
+so tests can check from outside that no two runs of one key overlapped. The workers
+get their lease settings the way users give them: ``EXCLUSIVE_<NAME>`` variables.
+
+EXCLUSIVE_TEST_LEDGER       Redis URL of the ledger
+EXCLUSIVE_TEST_DEAD_STORE   a lease store URL nothing answers on
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import redis
+from rq import get_current_job
+
+from celery_exclusive.rq import META_KEY, current_lease, exclusive
+
+DEAD_STORE = os.environ.get("EXCLUSIVE_TEST_DEAD_STORE", "redis://127.0.0.1:1/0")
+
+_ledger = None
+
+
+def ledger() -> redis.Redis:
+    global _ledger
+    if _ledger is None:
+        _ledger = redis.Redis.from_url(os.environ.get("EXCLUSIVE_TEST_LEDGER", "redis://"))
+    return _ledger
+
+
+def run(key: str, duration: float) -> dict:
+    """The body every ledger job shares: hold the key for ``duration`` seconds."""
+    job = get_current_job()
+    lease = current_lease()
+    start = time.time()
+    time.sleep(duration)
+    entry = {
+        "key": key,
+        "token": lease.fencing_token if lease else None,
+        "start": start,
+        "end": time.time(),
+        "job_id": job.id,
+        "pid": os.getpid(),
+        "lost": lease.lost if lease else None,
+        "requeues": (job.meta.get(META_KEY) or {}).get("requeues", 0),
+    }
+    ledger().rpush("ledger", json.dumps(entry))
+    return entry
+
+
+@exclusive(key="{key}")
+def hold_skip(key: str, duration: float = 0.0) -> dict:
+    return run(key, duration)
+
+
+@exclusive(key="{key}", on_duplicate="requeue")
+def hold_requeue(key: str, duration: float = 0.0) -> dict:
+    return run(key, duration)
+
+
+@exclusive(key="{key}", on_duplicate="wait", wait_timeout=30)
+def hold_wait(key: str, duration: float = 0.0) -> dict:
+    return run(key, duration)
+
+
+def plain(key: str, duration: float = 0.0) -> dict:
+    """Not marked: runs as with RQ's own Job class, with no lease."""
+    return run(key, duration)
+
+
+@exclusive(key="{key}", backend_url=DEAD_STORE, on_backend_error="run")
+def unlocked_when_store_down(key: str) -> dict:
+    return run(key, 0)
+
+
+@exclusive(key="{key}", backend_url=DEAD_STORE)
+def requeued_when_store_down(key: str) -> dict:
+    return run(key, 0)
