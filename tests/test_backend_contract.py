@@ -11,6 +11,7 @@ import uuid
 
 import pytest
 
+from celery_exclusive.backends.base import reservation_mark
 from celery_exclusive.errors import ConfigurationError
 
 
@@ -249,3 +250,76 @@ def test_concurrent_writers_with_and_without_the_lease_leave_only_the_holders_va
         thread.join()
     assert all(answers["held"]) and not any(answers["stale"])
     assert backend.read_record("beat:last") == "held-49"
+
+
+# --- marks: small ttl'd values changed only by compare-and-swap ---------------------
+
+
+@pytest.fixture
+def marks(backend):
+    if not backend.stores_marks:
+        pytest.skip(f"{type(backend).__name__} does not store marks")
+    return backend
+
+
+def test_an_absent_mark_reads_as_none(marks):
+    assert marks.read_mark("m:~x") is None
+
+
+def test_a_mark_is_created_only_where_none_was_expected(marks):
+    assert marks.swap_mark("m:~x", None, "a", 10) is True
+    assert marks.swap_mark("m:~x", None, "b", 10) is False
+    assert marks.read_mark("m:~x") == "a"
+
+
+def test_a_mark_changes_only_from_the_expected_value(marks):
+    marks.swap_mark("m:~x", None, "a", 10)
+    assert marks.swap_mark("m:~x", "z", "b", 10) is False
+    assert marks.swap_mark("m:~x", "a", "b", 10) is True
+    assert marks.read_mark("m:~x") == "b"
+
+
+def test_a_mark_swapped_to_none_is_deleted(marks):
+    marks.swap_mark("m:~x", None, "a", 10)
+    assert marks.swap_mark("m:~x", "a", None, 10) is True
+    assert marks.read_mark("m:~x") is None
+
+
+def test_an_expired_mark_reads_as_none_and_counts_as_absent(marks, backend_case):
+    marks.swap_mark("m:~x", None, "a", backend_case.short_ttl)
+    time.sleep(backend_case.short_ttl * 2.5)
+    assert marks.read_mark("m:~x") is None
+    assert marks.swap_mark("m:~x", None, "b", 10) is True
+
+
+def test_marks_are_not_listed_as_holders(marks):
+    marks.swap_mark("k:~x", None, "a", 10)
+    assert marks.holders("k") == []
+
+
+def test_a_reservation_refuses_everyone_but_its_claimant(marks):
+    marks.swap_mark(reservation_mark("k"), None, "nightly", 10)
+    assert marks.try_acquire("k", owner(), 10) is None
+    assert marks.try_acquire("k", owner(), 10, claimant="other") is None
+    assert marks.try_acquire("k", owner(), 10, claimant="nightly") is not None
+
+
+def test_a_reservation_is_consumed_by_its_grant(marks):
+    marks.swap_mark(reservation_mark("k"), None, "nightly", 10)
+    lease = marks.try_acquire("k", owner(), 10, claimant="nightly")
+    assert marks.read_mark(reservation_mark("k")) is None
+    marks.release(lease)
+    assert marks.try_acquire("k", owner(), 10) is not None
+
+
+def test_a_reservation_holds_for_a_limit_too(marks):
+    marks.swap_mark(reservation_mark("k"), None, "nightly", 10)
+    assert marks.try_acquire("k", owner(), 10, limit=2) is None
+    assert marks.try_acquire("k", owner(), 10, limit=2, claimant="nightly") is not None
+    assert marks.try_acquire("k", owner(), 10, limit=2) is not None
+
+
+def test_an_expired_reservation_no_longer_refuses(marks, backend_case):
+    marks.swap_mark(reservation_mark("k"), None, "nightly", backend_case.short_ttl)
+    time.sleep(backend_case.short_ttl * 2.5)
+    assert marks.try_acquire("k", owner(), 10) is not None

@@ -77,11 +77,16 @@ class Backend(abc.ABC):
         ttl: float,
         limit: int = 1,
         holder: Optional[Mapping[str, Any]] = None,
+        claimant: Optional[str] = None,
     ) -> Optional[Lease]:
         """Grant ``key`` to ``owner`` for ``ttl`` seconds if fewer than ``limit`` hold it.
 
         ``holder`` is stored beside the lease for ``holders()`` (task id, hostname,
         pid, acquired_at). Returns None when the key is full.
+
+        A live reservation (the mark :func:`reservation_mark` of ``key``) for anyone but
+        ``claimant`` refuses the grant; a reservation for ``claimant`` is consumed by it.
+        The check and the grant are one atomic step, so nobody slips in between.
         """
 
     @abc.abstractmethod
@@ -139,6 +144,33 @@ class Backend(abc.ABC):
             "store meanwhile."
         )
 
+    #: Whether ``read_mark`` / ``swap_mark`` are implemented (coalesced reruns, priority
+    #: reservations and enqueue-time dedup need them).
+    stores_marks: bool = False
+
+    def read_mark(self, name: str) -> Optional[str]:
+        """The live value of mark ``name``, or None if it is absent or expired.
+
+        Marks are small strings with a ttl, kept beside the leases: a pending rerun, a
+        reservation of the next turn, a "queued" flag. Unlike records, anybody may
+        change them, but only by :meth:`swap_mark`.
+        """
+        raise NotImplementedError(self._no_marks("read_mark"))
+
+    def swap_mark(self, name: str, expected: Optional[str], new: Optional[str], ttl: float) -> bool:
+        """If mark ``name`` holds ``expected`` (None: absent or expired), set it to ``new``
+        for ``ttl`` seconds (None: delete it) and return True; else change nothing and
+        return False. One atomic compare-and-swap, from which the policies build the rest.
+        """
+        raise NotImplementedError(self._no_marks("swap_mark"))
+
+    def _no_marks(self, method: str) -> str:
+        return (
+            f"{type(self).__name__} ({self.safe_url}) does not implement {method}(), which "
+            "the rerun policy, exclusive_priority and exclusive_scope='enqueue' need. "
+            "Use a redis://, sqlite:// or memory:// store for those tasks."
+        )
+
     def close(self) -> None:  # noqa: B027 - optional hook, most backends have nothing to do
         """Free connections and any per-process resources."""
 
@@ -150,6 +182,11 @@ class Backend(abc.ABC):
             "or choose what tasks do meanwhile with exclusive_on_backend_error.",
             self.safe_url,
         )
+
+
+def reservation_mark(key: str) -> str:
+    """The mark that reserves the next grant of ``key`` (see ``try_acquire``)."""
+    return key + ":~reserved"
 
 
 def redact_url(url: str) -> str:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
-from .base import Backend, Lease, LeaseInfo
+from .base import Backend, Lease, LeaseInfo, reservation_mark
 from .limits import check_limit
 
 
@@ -30,8 +30,16 @@ class _Store:
     def __init__(self) -> None:
         self.grants: dict[str, dict[str, _Grant]] = {}
         self.fences: dict[str, int] = {}
+        self.marks: dict[str, tuple[str, float]] = {}
         self.records: dict[str, str] = {}
         self.changed = threading.Condition()
+
+    def mark(self, name: str, now: float) -> Optional[str]:
+        value, expires_at = self.marks.get(name, (None, 0.0))
+        if value is not None and expires_at <= now:
+            del self.marks[name]
+            return None
+        return value
 
     def live(self, key: str, now: float) -> dict[str, _Grant]:
         grants = self.grants.get(key, {})
@@ -49,6 +57,7 @@ _stores_lock = threading.Lock()
 class MemoryBackend(Backend):
     pushes_wakeups = True
     stores_records = True
+    stores_marks = True
 
     def __init__(self, url: str) -> None:
         super().__init__(url)
@@ -63,13 +72,18 @@ class MemoryBackend(Backend):
         ttl: float,
         limit: int = 1,
         holder: Optional[Mapping[str, Any]] = None,
+        claimant: Optional[str] = None,
     ) -> Optional[Lease]:
         store = self._store
         with store.changed:
-            grants = store.live(key, time.monotonic())
+            now = time.monotonic()
+            grants = store.live(key, now)
             check_limit(key, limit, {g.limit for g in grants.values()})
-            if len(grants) >= limit:
+            reserved_for = store.mark(reservation_mark(key), now)
+            if len(grants) >= limit or reserved_for not in (None, claimant):
                 return None
+            if reserved_for is not None:
+                del store.marks[reservation_mark(key)]
             token = store.fences[key] = store.fences.get(key, 0) + 1
             store.grants.setdefault(key, {})[owner] = _Grant(
                 token, time.monotonic() + ttl, limit, json.loads(json.dumps(dict(holder or {})))
@@ -134,4 +148,20 @@ class MemoryBackend(Backend):
             if lease.owner not in store.live(lease.key, time.monotonic()):
                 return False
             store.records[key] = value
+            return True
+
+    def read_mark(self, name: str) -> Optional[str]:
+        with self._store.changed:
+            return self._store.mark(name, time.monotonic())
+
+    def swap_mark(self, name: str, expected: Optional[str], new: Optional[str], ttl: float) -> bool:
+        store = self._store
+        with store.changed:
+            now = time.monotonic()
+            if store.mark(name, now) != expected:
+                return False
+            if new is None:
+                store.marks.pop(name, None)
+            else:
+                store.marks[name] = (new, now + ttl)
             return True

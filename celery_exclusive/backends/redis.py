@@ -9,6 +9,9 @@ Keys for a lease key ``K`` (already namespaced, e.g. ``exclusive:invoice:7``):
 ``K:~fence``      the fencing counter, INCRed on every grant. It never expires: a
                   counter that restarted at 1 would let an old writer pass a fence.
 ``K:~signal``     a short list pushed on release; waiters BLPOP it.
+``K:~reserved``   a mark (a string with PX ttl) reserving the next grant for one
+                  claimant; the acquire script honours and consumes it.
+``*:~*``          other marks (pending reruns, enqueue flags): strings with PX ttl.
 ``R:~record``     the value of record ``R`` (``write_record``), a plain string that
                   never expires, written by a script that first checks the lease.
 
@@ -28,22 +31,31 @@ import redis
 from redis.exceptions import RedisError, ResponseError
 
 from ..errors import ConfigurationError
-from .base import Backend, Lease, LeaseInfo
+from .base import Backend, Lease, LeaseInfo, reservation_mark
 
 FENCE, HOLDERS, SIGNAL, RECORD = ":~fence", ":~holders", ":~signal", ":~record"
-_AUX = (FENCE, HOLDERS, SIGNAL, RECORD)
+#: Every key the store keeps beside a lease (and every mark) contains this.
+MARKER = ":~"
 
 #: Seconds to connect, and to wait for any non-blocking reply.
 CONNECT_TIMEOUT, SOCKET_TIMEOUT = 2.0, 5.0
 #: A BLPOP never blocks longer than this, so it always returns inside SOCKET_TIMEOUT.
 MAX_BLOCK = SOCKET_TIMEOUT - 1.0
 
-# KEYS: K, K:~fence, K:~holders   ARGV: owner, ttl_ms, limit, holder JSON
+# KEYS: K, K:~fence, K:~holders, K:~reserved   ARGV: owner, ttl_ms, limit, holder JSON,
+# claimant ('' for none). A reservation for anyone but the claimant refuses the grant.
 _ACQUIRE = """
+local reserved = redis.call('GET', KEYS[4])
+if reserved and reserved ~= ARGV[5] then
+  return false
+end
 local limit = tonumber(ARGV[3])
 if limit == 1 then
   local record = '{"owner":"' .. ARGV[1] .. '","holder":' .. ARGV[4] .. '}'
   if redis.call('SET', KEYS[1], record, 'NX', 'PX', ARGV[2]) then
+    if reserved then
+      redis.call('DEL', KEYS[4])
+    end
     return redis.call('INCR', KEYS[2])
   end
   if redis.call('TYPE', KEYS[1]).ok ~= 'string' then
@@ -66,6 +78,9 @@ if held >= limit then
   return false
 end
 redis.call('HSET', KEYS[3], '~limit', limit)
+if reserved then
+  redis.call('DEL', KEYS[4])
+end
 local token = redis.call('INCR', KEYS[2])
 local ttl = tonumber(ARGV[2])
 redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
@@ -154,6 +169,25 @@ return 1
 """
 
 
+# KEYS: mark   ARGV: has_expected (0/1), expected, has_new (0/1), new, ttl_ms
+_SWAP_MARK = """
+local current = redis.call('GET', KEYS[1])
+if ARGV[1] == '1' then
+  if current ~= ARGV[2] then
+    return 0
+  end
+elseif current then
+  return 0
+end
+if ARGV[3] == '1' then
+  redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[5])
+else
+  redis.call('DEL', KEYS[1])
+end
+return 1
+"""
+
+
 def client_from_url(url: str) -> redis.Redis:
     """A client for ``redis://``, ``rediss://`` or ``redis+sentinel://`` URLs.
 
@@ -188,6 +222,7 @@ def client_from_url(url: str) -> redis.Redis:
 class RedisBackend(Backend):
     pushes_wakeups = True
     stores_records = True
+    stores_marks = True
 
     def __init__(self, url: str, client: Optional[redis.Redis] = None) -> None:
         super().__init__(url)
@@ -196,6 +231,7 @@ class RedisBackend(Backend):
         self._renew = self.client.register_script(_RENEW)
         self._release = self.client.register_script(_RELEASE)
         self._write_record = self.client.register_script(_WRITE_RECORD)
+        self._swap_mark = self.client.register_script(_SWAP_MARK)
 
     def _call(self, action: str, key: str, fn, *args, **kwargs):
         try:
@@ -217,13 +253,14 @@ class RedisBackend(Backend):
         ttl: float,
         limit: int = 1,
         holder: Optional[Mapping[str, Any]] = None,
+        claimant: Optional[str] = None,
     ) -> Optional[Lease]:
         token = self._call(
             f"acquiring {key!r}",
             key,
             self._acquire,
-            keys=[key, key + FENCE, key + HOLDERS],
-            args=[owner, _ms(ttl), limit, json.dumps(dict(holder or {}))],
+            keys=[key, key + FENCE, key + HOLDERS, reservation_mark(key)],
+            args=[owner, _ms(ttl), limit, json.dumps(dict(holder or {})), claimant or ""],
         )
         return None if token is None else Lease(key, owner, int(token), ttl, limit)
 
@@ -277,7 +314,7 @@ class RedisBackend(Backend):
         keys = set()
         for raw in self.client.scan_iter(match=pattern, count=1000):
             key = raw.decode() if isinstance(raw, bytes) else raw
-            if not key.endswith(_AUX):
+            if MARKER not in key:  # fences, signals, records, marks: not leases
                 keys.add(key)
         return keys
 
@@ -335,6 +372,22 @@ class RedisBackend(Backend):
                 keys=[lease.key, key + RECORD],
                 args=[lease.owner, lease.limit, value],
             )
+        )
+
+    def read_mark(self, name: str) -> Optional[str]:
+        value = self._call(f"reading the mark {name!r}", name, self.client.get, name)
+        return value.decode() if isinstance(value, bytes) else value
+
+    def swap_mark(self, name: str, expected: Optional[str], new: Optional[str], ttl: float) -> bool:
+        args = [
+            int(expected is not None),
+            expected or "",
+            int(new is not None),
+            new or "",
+            _ms(ttl),
+        ]
+        return bool(
+            self._call(f"changing the mark {name!r}", name, self._swap_mark, keys=[name], args=args)
         )
 
     def close(self) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
-from .base import Backend, Lease, LeaseInfo
+from .base import Backend, Lease, LeaseInfo, reservation_mark
 from .limits import check_limit
 
 _SCHEMA = """
@@ -39,6 +39,11 @@ CREATE TABLE IF NOT EXISTS exclusive_records (
     key TEXT PRIMARY KEY,
     value TEXT NOT NULL
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS exclusive_marks (
+    name TEXT PRIMARY KEY,
+    value TEXT NOT NULL,
+    expires_at REAL NOT NULL
+) WITHOUT ROWID;
 """
 
 #: How long a writer waits for the database lock before the store counts as unavailable.
@@ -58,6 +63,7 @@ def path_from_url(url: str) -> str:
 
 class SQLiteBackend(Backend):
     stores_records = True
+    stores_marks = True
 
     def __init__(self, url: str) -> None:
         super().__init__(url)
@@ -102,6 +108,7 @@ class SQLiteBackend(Backend):
         ttl: float,
         limit: int = 1,
         holder: Optional[Mapping[str, Any]] = None,
+        claimant: Optional[str] = None,
     ) -> Optional[Lease]:
         def acquire(conn: sqlite3.Connection) -> Optional[Lease]:
             now = time.time()
@@ -115,8 +122,11 @@ class SQLiteBackend(Backend):
                 )
             ]
             check_limit(key, limit, limits)
-            if len(limits) >= limit:
+            reserved_for = _live_mark(conn, reservation_mark(key), now)
+            if len(limits) >= limit or reserved_for not in (None, claimant):
                 return None
+            if reserved_for is not None:
+                conn.execute("DELETE FROM exclusive_marks WHERE name = ?", (reservation_mark(key),))
             (token,) = conn.execute(
                 "INSERT INTO exclusive_fences (key, counter) VALUES (?, 1) "
                 "ON CONFLICT (key) DO UPDATE SET counter = counter + 1 RETURNING counter",
@@ -236,8 +246,38 @@ class SQLiteBackend(Backend):
 
         return self._write(f"writing the record {key!r}", write)
 
+    def read_mark(self, name: str) -> Optional[str]:
+        try:
+            return _live_mark(self._connection(), name, time.time())
+        except (sqlite3.Error, OSError) as exc:
+            raise self.unavailable(f"reading the mark {name!r}", exc) from None
+
+    def swap_mark(self, name: str, expected: Optional[str], new: Optional[str], ttl: float) -> bool:
+        def swap(conn: sqlite3.Connection) -> bool:
+            now = time.time()
+            if _live_mark(conn, name, now) != expected:
+                return False
+            if new is None:
+                conn.execute("DELETE FROM exclusive_marks WHERE name = ?", (name,))
+            else:
+                conn.execute(
+                    "INSERT INTO exclusive_marks VALUES (?, ?, ?) ON CONFLICT (name) "
+                    "DO UPDATE SET value = excluded.value, expires_at = excluded.expires_at",
+                    (name, new, now + ttl),
+                )
+            return True
+
+        return self._write(f"changing the mark {name!r}", swap)
+
     def close(self) -> None:
         conn = getattr(self._local, "conn", None)
         if conn is not None and self._local.pid == os.getpid():
             conn.close()
         self._local = threading.local()
+
+
+def _live_mark(conn: sqlite3.Connection, name: str, now: float) -> Optional[str]:
+    row = conn.execute(
+        "SELECT value FROM exclusive_marks WHERE name = ? AND expires_at > ?", (name, now)
+    ).fetchone()
+    return None if row is None else row[0]
