@@ -129,10 +129,13 @@ def acquire(
     name: str = "",
     task_id: Optional[str] = None,
     holder: Optional[Mapping[str, Any]] = None,
+    claimant: Optional[str] = None,
 ) -> Optional[HeldLease]:
     """Try once to take ``key``; on success the lease is renewed until released.
 
-    Raises :class:`BackendUnavailable` when the store does not answer.
+    ``claimant`` identifies a caller that may hold a reservation of the key's next
+    turn (see :mod:`celery_exclusive.marks`). Raises :class:`BackendUnavailable` when
+    the store does not answer.
     """
     record = {
         "task": name,
@@ -142,7 +145,7 @@ def acquire(
         "acquired_at": time.time(),
         **(holder or {}),
     }
-    grant = backend.try_acquire(key, uuid.uuid4().hex, ttl, limit, record)
+    grant = backend.try_acquire(key, uuid.uuid4().hex, ttl, limit, record, claimant=claimant)
     if grant is None:
         return None
     lease = HeldLease(backend, grant, name, task_id)
@@ -162,6 +165,8 @@ class Heartbeat:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        #: When the thread's current sleep ends (monotonic); None: asleep until woken.
+        self._sleeping_until: Optional[float] = None
         #: Seconds the last beat started after it was due (a starved thread shows here).
         self.lag = 0.0
 
@@ -173,7 +178,12 @@ class Heartbeat:
                     target=self._run, name="celery-exclusive-heartbeat", daemon=True
                 )
                 self._thread.start()
-        self._wake.set()
+            # Wake the thread only if this lease needs a beat sooner than the one it
+            # sleeps until: waking it on every acquire costs a thread switch per task.
+            sleeping_until = self._sleeping_until
+            wake = sleeping_until is None or time.monotonic() + lease.ttl / 3 < sleeping_until
+        if wake:
+            self._wake.set()
 
     def discard(self, lease: HeldLease) -> None:
         with self._lock:
@@ -184,22 +194,32 @@ class Heartbeat:
             return list(self._leases)
 
     def interval(self) -> Optional[float]:
-        leases = self.held()
+        with self._lock:
+            return self._interval()
+
+    def _interval(self) -> Optional[float]:
+        leases = self._leases
         return min(lease.ttl for lease in leases) / 3 if leases else None
 
     def _run(self) -> None:
         due: Optional[float] = None
         while True:
-            interval = self.interval()
-            if interval is None:
-                due = None
+            # Under the lock, so that add() sees when this sleep ends and wakes the
+            # thread if a new lease needs a beat sooner (or the thread is idle).
+            with self._lock:
+                interval = self._interval()
+                now = time.monotonic()
+                if interval is None:
+                    due = None
+                else:
+                    # An added lease may shorten the interval; the next beat never moves
+                    # later, so a steady stream of new leases cannot postpone renewals.
+                    due = now + interval if due is None else min(due, now + interval)
+                self._sleeping_until = due
+            if due is None:
                 self._wake.wait()
                 self._wake.clear()
                 continue
-            now = time.monotonic()
-            # An added lease may shorten the interval; the next beat never moves later,
-            # so a steady stream of new leases cannot postpone renewals.
-            due = now + interval if due is None else min(due, now + interval)
             if self._wake.wait(max(0.0, due - now)):
                 self._wake.clear()
                 continue
