@@ -380,6 +380,7 @@ class ConsulEmulator:
         value = base64.b64decode(op["Value"]) if op.get("Value") else None
         entry = self.state.kv.get(key)
         if verb == "get":
+            # [api-txn] get: "fails the transaction if it does not exist".
             if entry is None:
                 raise TxnError(f"key {key!r} doesn't exist")
             return [copy.deepcopy(entry)]
@@ -394,12 +395,14 @@ class ConsulEmulator:
                 raise TxnError(f"failed session check for key {key!r}")
             return [_blank(entry)]
         if verb == "check-not-exists":
+            # [api-txn] check-not-exists: "Fails the transaction if Key exists".
             if entry is not None:
                 raise TxnError(f"key {key!r} exists")
             return []
         if verb == "set":
             return [_blank(self._set(key, value, index))]
         if verb == "cas":
+            # [api-txn] cas: as the KV endpoint's ?cas, Index 0 creates only.
             if not self._cas(key, value, op.get("Index", 0), index):
                 raise TxnError(f"failed to set key {key!r}, index is stale")
             return [_blank(self.state.kv[key])]
@@ -417,6 +420,9 @@ class ConsulEmulator:
             self._delete(key, index)
             return []
         if verb == "delete-cas":
+            # [api-txn] delete-cas: "Deletes the key if ModifyIndex matches the Index";
+            # like Consul's state store (kvsDeleteCASTxn), an absent key counts as
+            # deleted and does not fail the transaction.
             if entry is not None and entry["ModifyIndex"] != op.get("Index", 0):
                 raise TxnError(f"failed to delete key {key!r}, index is stale")
             self._delete(key, index)

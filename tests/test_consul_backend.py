@@ -23,6 +23,7 @@ import uuid
 import pytest
 import requests
 
+from celery_exclusive.backends.base import reservation_mark
 from celery_exclusive.backends.consul import (
     MIN_SESSION_TTL,
     ConsulBackend,
@@ -410,4 +411,218 @@ def test_emulator_txn_is_all_or_nothing_with_every_error(emulator):
     response = requests.put(f"{base}/v1/txn", json=ops, timeout=5)
     assert response.status_code == 409
     assert [e["OpIndex"] for e in response.json()["Errors"]] == [1, 2]
+    assert requests.get(f"{base}/v1/kv/{key}", timeout=5).status_code == 404
+
+
+# --- marks and reservations ------------------------------------------------------------
+
+
+def _reserve_for(backend: ConsulBackend, key: str, claimant: str, ttl: float = 10) -> str:
+    assert backend.swap_mark(reservation_mark(key), None, claimant, ttl)
+    return reservation_mark(key)
+
+
+def _since(emulator: ConsulEmulator, before: int) -> list[tuple[str, str]]:
+    return emulator.requests[before:]
+
+
+def _after_first_read(monkeypatch, backend: ConsulBackend, method: str, meddle) -> None:
+    """Run ``meddle`` right after ``backend``'s first ``method`` read: another writer
+    slipping in between a read and the write it guards."""
+    read = getattr(backend, method)
+    done = []
+
+    def read_then_meddle(*args, **kwargs):
+        result = read(*args, **kwargs)
+        if not done:
+            done.append(True)
+            meddle()
+        return result
+
+    monkeypatch.setattr(backend, method, read_then_meddle)
+
+
+def test_a_mark_is_json_with_its_expiry_under_the_root_path(backends, emulator):
+    backend = backends()
+    before = time.time()
+    backend.swap_mark("app/jobs:7:~queued", None, "yes", 30)
+    entry = emulator.state.kv[backend.settings.root + "app/jobs:7:~queued"]
+    stored = json.loads(entry["Value"])
+    assert stored["value"] == "yes" and before + 30 <= stored["expires_at"] <= time.time() + 30
+    assert entry["Session"] is None
+
+
+def test_names_with_slashes_and_colons_are_marks_of_their_own(backends):
+    backend = backends()
+    assert backend.swap_mark("app/jobs:7:~queued", None, "a", 10)
+    assert backend.swap_mark("app/jobs:7:~queued/x", None, "b", 10)
+    assert backend.read_mark("app/jobs:7:~queued") == "a"
+    assert backend.read_mark("app/jobs:7:~queued/x") == "b"
+    assert backend.read_mark("app/jobs") is None
+
+
+def test_a_swap_is_one_read_and_one_transaction(backends, emulator):
+    backend = backends()
+    before = len(emulator.requests)
+    backend.swap_mark("m:~x", None, "a", 10)
+    assert [method for method, _ in _since(emulator, before)] == ["GET", "PUT"]
+
+
+def test_a_swap_whose_write_loses_to_an_equal_value_compares_again(backends, monkeypatch):
+    backend, rival = backends(), backends()
+    backend.swap_mark("m:~x", None, "a", 10)
+    # The rival refreshes the mark (same value, new ModifyIndex) between read and CAS.
+    _after_first_read(
+        monkeypatch, backend, "_read_key", lambda: rival.swap_mark("m:~x", "a", "a", 10)
+    )
+    assert backend.swap_mark("m:~x", "a", "b", 10) is True
+    assert backend.read_mark("m:~x") == "b"
+
+
+def test_a_swap_whose_write_loses_to_another_value_fails(backends, monkeypatch):
+    backend, rival = backends(), backends()
+    backend.swap_mark("m:~x", None, "a", 10)
+    _after_first_read(
+        monkeypatch, backend, "_read_key", lambda: rival.swap_mark("m:~x", "a", "c", 10)
+    )
+    assert backend.swap_mark("m:~x", "a", "b", 10) is False
+    assert backend.read_mark("m:~x") == "c"
+
+
+def test_concurrent_creates_have_exactly_one_winner(backends):
+    stores = [backends() for _ in range(6)]
+    barrier = threading.Barrier(len(stores))
+    won: list[bool] = []
+
+    def create(store, value):
+        barrier.wait()
+        won.append(store.swap_mark("m:~x", None, value, 10))
+
+    threads = [threading.Thread(target=create, args=(s, str(i))) for i, s in enumerate(stores)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(won) == [False] * 5 + [True]
+
+
+def test_concurrent_increments_by_compare_and_swap_lose_no_update(backends):
+    stores = [backends() for _ in range(4)]
+
+    def increment(store):
+        for _ in range(10):
+            while True:
+                current = store.read_mark("m:~count")
+                if store.swap_mark("m:~count", current, str(int(current or 0) + 1), 30):
+                    break
+
+    threads = [threading.Thread(target=increment, args=(s,)) for s in stores]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert stores[0].read_mark("m:~count") == "40"
+
+
+def test_an_expired_mark_is_replaced_in_place_or_deleted(backends, emulator):
+    backend = backends()
+    kv = backend.settings.root + "m:~x"
+    backend.swap_mark("m:~x", None, "a", 0.1)
+    time.sleep(0.2)
+    assert kv in emulator.state.kv  # KV has no TTL: it lingers, reading as absent
+    assert backend.swap_mark("m:~x", None, None, 10) is True
+    assert kv not in emulator.state.kv
+
+
+def test_force_release_leaves_the_reservation_alone(backends):
+    backend = backends()
+    backend.try_acquire("k", owner(), 10)
+    mark = _reserve_for(backend, "k", "nightly")
+    assert backend.force_release("k") == 1
+    assert backend.read_mark(mark) == "nightly"
+
+
+def test_an_acquire_with_no_reservation_is_one_transaction(backends, emulator):
+    backend = backends()
+    backend.try_acquire("warm-up", owner(), 10)  # opens the session
+    before = len(emulator.requests)
+    assert backend.try_acquire("k", owner(), 10) is not None
+    assert _since(emulator, before) == [("PUT", "/v1/txn")]
+
+
+def test_an_acquire_past_a_reservation_reads_it_and_transacts_again(backends, emulator):
+    backend = backends()
+    backend.try_acquire("warm-up", owner(), 10)
+    mark = _reserve_for(backend, "k", "nightly")
+    before = len(emulator.requests)
+    assert backend.try_acquire("k", owner(), 10, claimant="nightly") is not None
+    mark_path = f"/v1/kv/{backend.settings.root}{mark}"
+    assert _since(emulator, before) == [("PUT", "/v1/txn"), ("GET", mark_path), ("PUT", "/v1/txn")]
+
+
+def test_a_semaphore_acquire_reads_the_reservation_with_its_tree(backends, emulator):
+    backend = backends()
+    backend.try_acquire("warm-up", owner(), 10)
+    _reserve_for(backend, "k", "nightly")
+    before = len(emulator.requests)
+    assert backend.try_acquire("k", owner(), 10, limit=2, claimant="nightly") is not None
+    assert [method for method, _ in _since(emulator, before)] == ["GET", "PUT"]
+
+
+@pytest.mark.parametrize("limit", [1, 2])
+def test_a_refusing_reservation_writes_nothing(backends, emulator, limit):
+    backend = backends()
+    backend.try_acquire("warm-up", owner(), 10)  # opens the session
+    _reserve_for(backend, "k", "nightly")
+    index = emulator.state.index
+    assert backend.try_acquire("k", owner(), 10, limit=limit) is None
+    assert emulator.state.index == index
+    assert not any(k.startswith(backend.settings.root + "k/") for k in emulator.state.kv)
+
+
+@pytest.mark.parametrize("limit, read", [(1, "_read_key"), (2, "_read_tree")])
+def test_a_reservation_changed_between_read_and_grant_refuses_the_grant(
+    backends, monkeypatch, limit, read
+):
+    backend, rival = backends(), backends()
+    mark = _reserve_for(backend, "k", "nightly")
+    _after_first_read(
+        monkeypatch, backend, read, lambda: rival.swap_mark(mark, "nightly", "other", 10)
+    )
+    assert backend.try_acquire("k", owner(), 10, limit=limit, claimant="nightly") is None
+    assert rival.read_mark(mark) == "other"
+    assert rival.try_acquire("k", owner(), 10, limit=limit, claimant="other") is not None
+
+
+@pytest.mark.parametrize("limit", [1, 2])
+def test_an_expired_reservation_is_tidied_by_the_next_grant(backends, emulator, limit):
+    backend = backends()
+    mark = _reserve_for(backend, "k", "nightly", ttl=0.1)
+    time.sleep(0.2)
+    assert backend.try_acquire("k", owner(), 10, limit=limit) is not None
+    assert backend.settings.root + mark not in emulator.state.kv
+
+
+def test_a_reservation_for_the_claimant_survives_a_refused_grant(backends):
+    holder, claimant = backends(), backends()
+    holder.try_acquire("k", owner(), 10)
+    mark = _reserve_for(holder, "k", "nightly")
+    assert claimant.try_acquire("k", owner(), 10, claimant="nightly") is None  # still held
+    assert claimant.read_mark(mark) == "nightly"
+
+
+def test_emulator_check_not_exists_and_delete_cas_follow_consul(emulator):
+    base, key = _http(emulator), f"rules/{uuid.uuid4().hex}"
+
+    def txn(verb, **kv):
+        ops = [{"KV": {"Verb": verb, "Key": key, **kv}}]
+        return requests.put(f"{base}/v1/txn", json=ops, timeout=5).status_code
+
+    assert txn("check-not-exists") == 200
+    assert txn("delete-cas", Index=7) == 200  # an absent key counts as deleted
+    requests.put(f"{base}/v1/kv/{key}", data="x", timeout=5)
+    index = requests.get(f"{base}/v1/kv/{key}", timeout=5).json()[0]["ModifyIndex"]
+    assert txn("check-not-exists") == 409
+    assert txn("delete-cas", Index=index - 1) == 409
+    assert txn("delete-cas", Index=index) == 200
     assert requests.get(f"{base}/v1/kv/{key}", timeout=5).status_code == 404

@@ -15,6 +15,19 @@ Layout for a lease key ``K`` (under the root path):
 ``K/<owner>``   limit > 1: one contender key per holder, locked by its session.
 ``R/.record``   the value of record ``R`` (``write_record``): a plain string, written
                 in a transaction that first checks the writer's lease.
+``M``           mark ``M`` (names contain ``:~``, so they never clash with the above):
+                JSON ``{"value", "expires_at"}`` (unix time). KV has no TTL: an expired
+                mark reads as absent and is overwritten or tidied by the next change.
+                ``swap_mark`` reads it, compares the value, then writes with a
+                ``cas``/``delete-cas`` on the ModifyIndex read (retried if another
+                writer won in between): two round trips. Clocks of the workers must
+                roughly agree for mark TTLs.
+``K:~reserved`` the reservation mark of ``K``: an acquire guards its grant transaction
+                with it. A limit-1 acquire bets on there being none
+                (``check-not-exists``: one round trip); if there is one it reads the
+                mark and retries with a ``delete-cas`` on its ModifyIndex, which
+                consumes it (claimant, or expired) atomically with the grant: three
+                round trips. A semaphore acquire already reads it with ``K``'s tree.
 
 Sessions. A process opens one session, on its first acquire, and renews it once per
 heartbeat for all its leases; a forked child opens its own. The session TTL comes
@@ -58,7 +71,7 @@ import consul
 import requests
 
 from ..errors import ConfigurationError
-from .base import Backend, Lease, LeaseInfo
+from .base import Backend, Lease, LeaseInfo, reservation_mark
 from .limits import check_limit
 
 logger = logging.getLogger("celery_exclusive")
@@ -318,7 +331,10 @@ class ConsulBackend(Backend):
             return [_from_txn(result["KV"]) for result in results if result.get("KV")]
         if response.code == 409:
             errors = json.loads(response.body).get("Errors") or []
-            raise _TxnFailed([error.get("What", "") for error in errors])
+            raise _TxnFailed(
+                [error.get("What", "") for error in errors],
+                {error.get("OpIndex") for error in errors},
+            )
         if response.code == 500 and "invalid session" in response.body.lower():
             # What a KV acquire answers for a session that no longer exists.
             raise _TxnFailed([response.body.lower()])
@@ -381,19 +397,28 @@ class ConsulBackend(Backend):
         ttl: float,
         limit: int = 1,
         holder: Optional[Mapping[str, Any]] = None,
+        claimant: Optional[str] = None,
     ) -> Optional[Lease]:
         record = {"owner": owner, "limit": limit, "holder": dict(holder or {})}
         acquire = self._acquire_mutex if limit == 1 else self._acquire_slot
         action = f"acquiring {key!r}"
         try:
-            return self._call(action, lambda: acquire(key, owner, ttl, record))
+            return self._call(action, lambda: acquire(key, owner, ttl, record, claimant))
         except _SessionInvalid:
             # The session died since we last used it (HTTP 500 / "invalid session"):
             # open a new one and try once more.
-            return self._call(action, lambda: acquire(key, owner, ttl, record, retry=False))
+            return self._call(
+                action, lambda: acquire(key, owner, ttl, record, claimant, retry=False)
+            )
 
     def _acquire_mutex(
-        self, key: str, owner: str, ttl: float, record: dict, retry: bool = True
+        self,
+        key: str,
+        owner: str,
+        ttl: float,
+        record: dict,
+        claimant: Optional[str],
+        retry: bool = True,
     ) -> Optional[Lease]:
         kv = self._kv(key)
         if not self._reserve(key, owner):
@@ -402,20 +427,9 @@ class ConsulBackend(Backend):
         granted = False
         try:
             session_id, session_ttl = self._session(ttl)
-            try:
-                entries = self._txn(
-                    [
-                        _op("lock", kv, value=record, session=session_id),
-                        _op("get", kv),
-                        _op("get-tree", kv + "/"),
-                    ]
-                )
-            except _TxnFailed as failed:
-                if failed.session_invalid:
-                    self._forget_session(session_id)
-                    if retry:
-                        raise _SessionInvalid(str(failed)) from None
-                return None  # held by another session, or in its lock-delay
+            entries = self._lock_mutex(key, record, session_id, claimant, retry)
+            if entries is None:
+                return None
             by_key = {entry.key: entry for entry in entries}
             slots = _Slots.of(kv, by_key)
             if slots.live:
@@ -431,6 +445,44 @@ class ConsulBackend(Backend):
                 with state.lock:
                     if state.held.get(key) == (owner, 0):
                         del state.held[key]
+
+    def _lock_mutex(
+        self,
+        key: str,
+        record: dict,
+        session_id: str,
+        claimant: Optional[str],
+        retry: bool,
+    ) -> Optional[list[_Entry]]:
+        """Lock ``K`` (reading it and its subtree back) in a transaction guarded by
+        the reservation mark; None if the key is held, in lock-delay or reserved.
+
+        The first attempt bets on there being no reservation (``check-not-exists``),
+        so the common acquire is one round trip. Only when that guard alone failed
+        is the mark read and the grant retried guarded by what was read.
+        """
+        kv, mark_kv = self._kv(key), self._kv(reservation_mark(key))
+        grant = [
+            _op("lock", kv, value=record, session=session_id),
+            _op("get", kv),
+            _op("get-tree", kv + "/"),
+        ]
+        guard: Optional[dict[str, Any]] = _op("check-not-exists", mark_kv)
+        for _ in range(CAS_ATTEMPTS):
+            try:
+                return self._txn([guard, *grant])
+            except _TxnFailed as failed:
+                if failed.session_invalid:
+                    self._forget_session(session_id)
+                    if retry:
+                        raise _SessionInvalid(str(failed)) from None
+                    return None
+                if failed.op_indexes != {0}:
+                    return None  # held by another session, or in its lock-delay
+            guard = _reservation_guard(mark_kv, self._read_key(mark_kv), claimant)
+            if guard is None:
+                return None  # reserved for someone else
+        return None  # the mark kept changing under us: treat as reserved this time
 
     def _reserve(self, key: str, owner: str) -> bool:
         """Claim ``key`` for ``owner`` among this process's leases, before asking Consul.
@@ -465,12 +517,22 @@ class ConsulBackend(Backend):
         return True
 
     def _acquire_slot(
-        self, key: str, owner: str, ttl: float, record: dict, retry: bool = True
+        self,
+        key: str,
+        owner: str,
+        ttl: float,
+        record: dict,
+        claimant: Optional[str],
+        retry: bool = True,
     ) -> Optional[Lease]:
         """Consul's semaphore recipe: read the tree, then one transaction that locks our
-        contender key and CASes ``K/.lock`` with the pruned holders plus us."""
+        contender key and CASes ``K/.lock`` with the pruned holders plus us.
+
+        The tree read (a prefix) also returns the reservation mark ``K:~reserved``,
+        so guarding the grant with it costs no extra round trip.
+        """
         session_id, session_ttl = self._session(ttl)
-        kv = self._kv(key)
+        kv, mark_kv = self._kv(key), self._kv(reservation_mark(key))
         for _ in range(CAS_ATTEMPTS):
             by_key = {entry.key: entry for entry in self._read_tree(kv)[1]}
             mutex = by_key.get(kv)
@@ -481,6 +543,9 @@ class ConsulBackend(Backend):
                 check_limit(key, record["limit"], [slots.limit])
             if len(slots.live) >= record["limit"]:
                 return None
+            reservation_guard = _reservation_guard(mark_kv, by_key.get(mark_kv), claimant)
+            if reservation_guard is None:
+                return None  # reserved for someone else
             mutex_guard = (
                 _op("check-not-exists", kv)
                 if mutex is None
@@ -488,6 +553,7 @@ class ConsulBackend(Backend):
             )
             ops = [
                 mutex_guard,
+                reservation_guard,
                 _op("lock", f"{kv}/{owner}", value=record, session=session_id),
                 _op(
                     "cas",
@@ -508,7 +574,7 @@ class ConsulBackend(Backend):
                     if retry:
                         raise _SessionInvalid(str(failed)) from None
                     return None
-                continue  # someone else changed K/.lock or K first: read again
+                continue  # someone else changed K/.lock, K or the mark first: read again
             token = next(e.modify_index for e in entries if e.key == kv + LOCK_SUFFIX)
             return Lease(key, owner, token, min(ttl, session_ttl), record["limit"])
         return None
@@ -587,7 +653,9 @@ class ConsulBackend(Backend):
             return False
         return True
 
-    def wait(self, key: str, timeout: float) -> None:
+    def wait(self, key: str, timeout: float, reserved: bool = False) -> None:
+        """A blocking query wakes every waiter on a change, so a reservation's claimant
+        (``reserved``) is woken with the rest, and its grant refuses the others."""
         kv = self._kv(key)
         deadline = time.monotonic() + timeout
         index, entries = self._call(f"waiting on {key!r}", lambda: self._read_tree(kv))
@@ -704,6 +772,46 @@ class ConsulBackend(Backend):
             return False
         return True
 
+    stores_marks = True
+
+    def read_mark(self, name: str) -> Optional[str]:
+        entry = self._call(f"reading the mark {name!r}", self._read_key, self._kv(name))
+        return _mark_value(entry, time.time())
+
+    def swap_mark(self, name: str, expected: Optional[str], new: Optional[str], ttl: float) -> bool:
+        return self._call(
+            f"changing the mark {name!r}", self._swap_mark, self._kv(name), expected, new, ttl
+        )
+
+    def _swap_mark(self, kv: str, expected: Optional[str], new: Optional[str], ttl: float) -> bool:
+        """Read, compare in Python (Consul cannot compare values), then write guarded by
+        the ModifyIndex read. A lost race is no answer: the winner may have left a value
+        that still equals ``expected`` (a refresh, an A-B-A), so compare again."""
+        for _ in range(CAS_ATTEMPTS):
+            entry = self._read_key(kv)
+            now = time.time()
+            if _mark_value(entry, now) != expected:
+                return False
+            if new is None and entry is None:
+                return True  # nothing to delete
+            index = entry.modify_index if entry is not None else 0  # 0: create only
+            if new is None:
+                op = _op("delete-cas", kv, index=index)
+            else:
+                op = _op("cas", kv, value={"value": new, "expires_at": now + ttl}, index=index)
+            try:
+                self._txn([op])
+            except _TxnFailed:
+                continue  # another writer changed it since the read
+            return True
+        raise consul.ConsulException(
+            f"the mark changed under {CAS_ATTEMPTS} compare-and-swaps in a row"
+        )
+
+    def _read_key(self, kv: str) -> Optional[_Entry]:
+        _, raw = self._client().kv.get(kv)
+        return None if raw is None else _from_kv(raw)
+
     def close(self) -> None:
         """Destroy this process's session, releasing (or deleting) whatever it still holds."""
         state = self._process()
@@ -729,11 +837,14 @@ class ConsulBackend(Backend):
 
 
 class _TxnFailed(Exception):
-    """Consul rolled a transaction back (HTTP 409); ``reasons`` are its per-operation errors."""
+    """Consul rolled a transaction back (HTTP 409); ``reasons`` are its per-operation
+    errors and ``op_indexes`` the positions of the operations that failed, which tell
+    a failed guard from a failed lock without parsing Consul's messages."""
 
-    def __init__(self, reasons: list[str]) -> None:
+    def __init__(self, reasons: list[str], op_indexes: Optional[set] = None) -> None:
         super().__init__("; ".join(reasons))
         self.reasons = reasons
+        self.op_indexes = op_indexes or set()
 
     @property
     def session_invalid(self) -> bool:
@@ -770,6 +881,33 @@ def _is_contender(kv: str, entry: _Entry) -> bool:
         and name != LOCK_SUFFIX[1:]
         and entry.record().get("owner") == name
     )
+
+
+def _mark_value(entry: Optional[_Entry], now: float) -> Optional[str]:
+    """The live value of a mark entry: None when absent, expired or not a mark."""
+    record = entry.record() if entry is not None else {}
+    value, expires_at = record.get("value"), record.get("expires_at")
+    if not isinstance(value, str) or not isinstance(expires_at, (int, float)):
+        return None
+    return value if expires_at > now else None
+
+
+def _reservation_guard(
+    mark_kv: str, entry: Optional[_Entry], claimant: Optional[str]
+) -> Optional[dict[str, Any]]:
+    """The transaction operation that pins a grant to the reservation as read, or None
+    when a live reservation for someone else refuses the grant.
+
+    No mark: ``check-not-exists``. A live one for ``claimant``, or an expired one: a
+    ``delete-cas`` on the ModifyIndex read, which consumes (or tidies) it with the
+    grant and fails the grant if anyone changed the mark since the read.
+    """
+    if entry is None:
+        return _op("check-not-exists", mark_kv)
+    reserved_for = _mark_value(entry, time.time())
+    if reserved_for is not None and reserved_for != claimant:
+        return None
+    return _op("delete-cas", mark_kv, index=entry.modify_index)
 
 
 def _held_by(entry: Optional[_Entry], session_id: str, owner: str) -> bool:
