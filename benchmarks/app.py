@@ -1,0 +1,156 @@
+"""The Celery app every benchmark worker runs, configured from the environment.
+
+One app holds the plain task, ExclusiveTask and both peers' base classes, so the
+overhead benchmark compares them in one worker, with one broker and one store.
+
+BENCH_BROKER   broker and result backend URL
+BENCH_STORE    lock store URL (ours, celery-once's and celery-singleton's)
+BENCH_LEDGER   Redis URL where tasks record timestamps for the latency benchmarks
+BENCH_TTL      lease ttl in seconds
+BENCH_RECORD_RELEASES  if set, every release of a bench.hold_* lease is timestamped
+BENCH_PROFILE  if set, a cProfile of the worker's main thread is written there at shutdown
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import redis
+from celery import Celery, Task, signals
+from celery_once import QueueOnce
+from celery_singleton import Singleton
+
+from celery_exclusive import ExclusiveTask, lease_released
+
+BROKER = os.environ.get("BENCH_BROKER", "memory://")
+STORE = os.environ.get("BENCH_STORE", "memory://")
+
+app = Celery("bench")
+app.conf.update(
+    broker_url=BROKER,
+    result_backend=BROKER if BROKER.startswith("redis") else "cache+memory://",
+    exclusive_backend_url=STORE,
+    exclusive_lease_ttl=float(os.environ.get("BENCH_TTL", "30")),
+    exclusive_wait_timeout=60,
+    singleton_backend_url=STORE,
+    ONCE={"backend": "celery_once.backends.Redis", "settings": {"url": STORE}},
+    worker_prefetch_multiplier=1,
+    broker_connection_retry_on_startup=True,
+    task_default_queue="b",
+    worker_hijack_root_logger=False,
+)
+
+_ledger = None
+
+
+def ledger() -> redis.Redis:
+    global _ledger
+    if _ledger is None:
+        _ledger = redis.Redis.from_url(os.environ.get("BENCH_LEDGER", "redis://"))
+    return _ledger
+
+
+# -- per-task overhead: four no-op tasks that differ only in their base class ----------
+
+
+@app.task(name="bench.plain")
+def plain(i: int) -> None:
+    return None
+
+
+@app.task(name="bench.exclusive", base=ExclusiveTask)
+def exclusive(i: int) -> None:
+    return None
+
+
+@app.task(name="bench.once", base=QueueOnce)
+def once(i: int) -> None:
+    return None
+
+
+@app.task(name="bench.singleton", base=Singleton)
+def singleton(i: int) -> None:
+    return None
+
+
+NOOPS = {"plain": plain, "exclusive": exclusive, "celery-once": once, "celery-singleton": singleton}
+
+
+# -- handoff, failover and scale: runs that leave timestamps in the ledger --------------
+
+
+def _record(task: Task, key: str, hold: float) -> None:
+    """Record when the body started, under which fencing token, then hold the key."""
+    lease = task.lease
+    start = time.time()
+    ledger().rpush(
+        "starts",
+        json.dumps({"key": key, "start": start, "token": lease.fencing_token, "pid": os.getpid()}),
+    )
+    time.sleep(hold)
+    ledger().rpush("ends", json.dumps({"key": key, "start": start, "end": time.time()}))
+
+
+def _holding(policy: str):
+    @app.task(
+        name=f"bench.hold_{policy}",
+        base=ExclusiveTask,
+        bind=True,
+        exclusive_key="{key}",
+        exclusive_on_duplicate=policy,
+    )
+    def hold(self, key: str, hold: float) -> None:
+        _record(self, key, hold)
+
+    return hold
+
+
+hold_wait = _holding("wait")
+hold_requeue = _holding("requeue")
+
+
+def _released(sender, key, task_id, **extra) -> None:
+    """The release instant, as the holder saw it (sent right after the store answered)."""
+    if sender.startswith("bench.hold_"):
+        ledger().rpush("releases", json.dumps({"key": key, "at": time.time()}))
+
+
+# Connected only where needed: a receiver would add its cost to the overhead benchmark.
+if os.environ.get("BENCH_RECORD_RELEASES"):
+    lease_released.connect(_released, weak=False)
+
+
+@app.task(
+    name="bench.work", base=ExclusiveTask, exclusive_key="{key}", exclusive_on_duplicate="wait"
+)
+def work(key: str, seconds: float) -> None:
+    time.sleep(seconds)
+
+
+@app.task(name="bench.plain_work")
+def plain_work(key: str, seconds: float) -> None:
+    time.sleep(seconds)
+
+
+# -- optional profile of the worker's main thread (solo pool: where tasks run) ---------
+
+_profile = None
+
+
+@signals.worker_ready.connect
+def _start_profile(**kwargs) -> None:
+    global _profile
+    if os.environ.get("BENCH_PROFILE"):
+        import cProfile
+
+        _profile = cProfile.Profile()
+        _profile.enable()
+
+
+@signals.worker_shutdown.connect
+def _dump_profile(**kwargs) -> None:
+    if _profile is not None:
+        _profile.disable()
+        _profile.dump_stats(os.environ["BENCH_PROFILE"])

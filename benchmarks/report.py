@@ -1,0 +1,126 @@
+"""The results as a markdown table (for RESULTS.md and the README) and one PNG chart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def markdown(machine: dict, load: dict, r: dict) -> str:
+    lines = [
+        f"Measured {machine['date']} on {machine['nproc']} × {machine['cpu']}; Python "
+        f"{machine['python']}, Celery {machine['celery']}, redis-py {machine['redis-py']}, "
+        f"Redis {machine['redis-server']}. Load average (1/5/15 min) at start "
+        f"{load['start']}, at end {load['end']}.",
+        "",
+    ]
+    if "overhead" in r:
+        o = r["overhead"]
+        lines += [
+            f"**Per-task overhead** — {o['n']} no-op tasks per batch through one solo worker "
+            f"(Redis broker and results), {o['rounds']} interleaved rounds, median:",
+            "",
+            "| base class | ms per task | time vs plain `Task` |",
+            "|---|---:|---:|",
+        ]
+        for name, ratio in o["ratio"].items():
+            lines.append(f"| {name} | {o['per_task_ms'][name]:.2f} | {ratio:.3f}x |")
+        lines.append("")
+    if "primitive" in r:
+        p = r["primitive"]
+        lines += [
+            f"**Lock primitive** — acquire + release pairs per second, one client, one key, "
+            f"median of {p['rounds']} rounds of {p['pairs']}:",
+            "",
+            "| lock | pairs/s |",
+            "|---|---:|",
+        ]
+        lines += [f"| {name} | {rate:,.0f} |" for name, rate in p["per_second"].items()]
+        lines.append("")
+    if "handoff" in r:
+        lines += [
+            "**Handoff** — holder's release to the waiting duplicate's start, on another worker:",
+            "",
+            "| policy | samples | p50 | p99 | max |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for policy, h in r["handoff"].items():
+            lines.append(
+                f"| `{policy}` | {h['samples']} | {h['p50_ms']:.1f} ms | {h['p99_ms']:.1f} ms "
+                f"| {h['max_ms']:.1f} ms |"
+            )
+        lines.append("")
+    if "failover" in r:
+        f = r["failover"]
+        lines += [
+            f"**Failover** — SIGKILL of the holder to the next acquisition, "
+            f"`lease_ttl={f['ttl']:g}` s (median of trials):",
+            "",
+            "| killed | trials | key free after | next run started after (max) |",
+            "|---|---:|---:|---:|",
+        ]
+        for what in ("whole worker", "pool child only"):
+            x = f[what]
+            lines.append(
+                f"| {what} | {x['trials']} | {x['freed_s']:.2f} s | {x['next_start_s']:.2f} s "
+                f"({x['next_start_max_s']:.2f} s) |"
+            )
+        lines.append("")
+    if "scale" in r:
+        s = r["scale"]
+        table = s["per_second"]
+        columns = list(next(iter(table.values())))
+        lines += [
+            f"**Scale** — tasks per second, {s['n']} tasks with a {s['body_ms']:g} ms body, "
+            "`wait` policy, task *i* on key *i* mod keys (plain `Task`: no lease):",
+            "",
+            "| processes | " + " | ".join(columns) + " |",
+            "|---:|" + "---:|" * len(columns),
+        ]
+        for processes, row in table.items():
+            lines.append(f"| {processes} | " + " | ".join(f"{row[c]:.0f}" for c in columns) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def chart(r: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    if "overhead" in r:
+        ratios = r["overhead"]["ratio"]
+        ax = axes[0][0]
+        ax.bar(list(ratios), list(ratios.values()), color=["grey", "C0", "C1", "C2"])
+        ax.axhline(1.0, color="black", linewidth=0.5)
+        ax.set_title("Time for N no-op tasks, relative to plain Task")
+        ax.set_ylim(0.9, max(1.3, max(ratios.values()) + 0.05))
+    if "primitive" in r:
+        rates = r["primitive"]["per_second"]
+        ax = axes[0][1]
+        ax.barh(list(rates), list(rates.values()))
+        ax.set_title("Lock acquire+release pairs per second")
+    if "handoff" in r:
+        h = r["handoff"]
+        ax = axes[1][0]
+        x = range(len(h))
+        ax.bar([i - 0.2 for i in x], [v["p50_ms"] for v in h.values()], 0.4, label="p50")
+        ax.bar([i + 0.2 for i in x], [v["p99_ms"] for v in h.values()], 0.4, label="p99")
+        ax.set_xticks(list(x), [f"on_duplicate={p}" for p in h])
+        ax.set_yscale("log")
+        ax.set_ylabel("ms")
+        ax.set_title("Handoff: release to next start")
+        ax.legend()
+    if "scale" in r:
+        table = r["scale"]["per_second"]
+        ax = axes[1][1]
+        for column in next(iter(table.values())):
+            ax.plot(list(table), [row[column] for row in table.values()], marker="o", label=column)
+        ax.set_xlabel("worker processes")
+        ax.set_ylabel("tasks/s")
+        ax.set_xticks(list(table))
+        ax.set_title("Throughput, 5 ms body")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
