@@ -1,0 +1,84 @@
+"""The Celery app the chaos suite's workers run, configured from the environment.
+
+Each completed run appends (key, fencing token, start, end, lost) to a ledger list in
+a Redis that the chaos never touches, so the checks see every run whatever happened
+to the workers and to the lease store.
+
+CHAOS_BROKER   broker URL (results are not stored: the ledger says what completed)
+CHAOS_STORE    lease store URL, on a Redis server the chaos restarts
+CHAOS_LEDGER   Redis URL of the ledger
+CHAOS_TTL      lease ttl in seconds
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import redis
+from celery import Celery, signals
+
+from celery_exclusive import ExclusiveTask
+
+app = Celery("chaos")
+app.conf.update(
+    broker_url=os.environ.get("CHAOS_BROKER", "memory://"),
+    exclusive_backend_url=os.environ.get("CHAOS_STORE", "memory://"),
+    exclusive_lease_ttl=float(os.environ.get("CHAOS_TTL", "3")),
+    exclusive_on_duplicate="requeue",
+    exclusive_requeue_delay=0.1,
+    exclusive_requeue_max_delay=1.0,
+    # A SIGKILLed child's task goes back to the queue instead of being acked as failed.
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
+    task_ignore_result=True,
+    # A whole worker SIGKILLed leaves its unacked messages to be restored after the
+    # visibility timeout, by a sweep that kombu runs every interval x throttle seconds
+    # (10 x 10 by default: longer than the drain waits).
+    broker_transport_options={
+        "visibility_timeout": 10,
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    },
+    worker_prefetch_multiplier=1,
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=False,
+)
+
+_ledger = None
+
+
+def ledger() -> redis.Redis:
+    global _ledger
+    if _ledger is None:
+        _ledger = redis.Redis.from_url(os.environ.get("CHAOS_LEDGER", "redis://"))
+    return _ledger
+
+
+@app.task(name="chaos.work", base=ExclusiveTask, bind=True, exclusive_key="{key}")
+def work(self, key: str, job: int, duration: float) -> None:
+    """Hold ``key`` for ``duration`` seconds, then say so in the ledger."""
+    lease = self.lease
+    start = time.time()
+    time.sleep(duration)
+    entry = {
+        "key": key,
+        "job": job,
+        "token": lease.fencing_token if lease else None,
+        "start": start,
+        "end": time.time(),
+        "lost": lease.lost if lease else None,
+        "pid": os.getpid(),
+    }
+    pipe = ledger().pipeline()
+    pipe.rpush("ledger", json.dumps(entry)).sadd("done", job)
+    pipe.execute()
+
+
+@signals.task_prerun.connect
+def _seen(task_id, task, args, **extra) -> None:
+    """Note that a worker received the job: one missing later was lost after this point,
+    not by the broker in the window between a fetch and its unacked bookkeeping."""
+    if task.name == "chaos.work":
+        ledger().sadd("seen", args[1])

@@ -1,0 +1,259 @@
+"""Chaos: real workers running exclusive tasks while workers and the lease store fail.
+
+The harness owns what the chaos hits (the workers and the lease store's Redis) and
+what it never touches (the broker and the ledger, on a Redis of their own). It submits
+jobs over a few keys, injects seeded random faults, drains, and returns what it saw;
+test_chaos.py states what must hold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+import redis
+
+from celery_exclusive import BackendUnavailable, backend_for_url
+from tests.servers import RedisServer, kill_tree
+from tests.workers import Worker
+
+KEYS = ("alpha", "beta", "gamma")
+
+
+def start_durable(server: RedisServer) -> None:
+    """Start the lease store with an append-only file fsynced on every write.
+
+    A store restarted empty would forget its fencing counters and start them again at
+    1, which no fence survives; a lock store runs with persistence, and so does this.
+    """
+    server.process = subprocess.Popen(
+        [server.binary, "--port", str(server.port), "--bind", "127.0.0.1", "--save", ""]
+        + ["--appendonly", "yes", "--appendfsync", "always", "--dir", server.dir],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    client = redis.Redis(port=server.port, socket_connect_timeout=0.2)
+    deadline = time.monotonic() + 10
+    try:
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+    finally:
+        client.close()
+
+
+@dataclass
+class Chaos:
+    """One run: its seed, its faults, and everything the checks need."""
+
+    seed: int
+    seconds: float
+    workers: int = 3
+    ttl: float = 3.0
+    #: Longest SIGSTOP; below ttl * 2/3 no lease can expire under a stopped holder.
+    max_pause: float = 1.0
+    events: list[str] = field(default_factory=list)
+    submitted: set[int] = field(default_factory=set)
+    #: (killed at, pids of the killed worker's processes)
+    kills: list[tuple[float, set[int]]] = field(default_factory=list)
+    outliving: list[str] = field(default_factory=list)
+
+    def log(self, what: str) -> None:
+        self.events.append(f"{time.time() - self.started:6.2f}s {what}")
+
+    def run(self, tmp_path) -> dict:
+        self.random = random.Random(self.seed)
+        self.started = time.time()
+        base = RedisServer()  # broker and ledger: never touched by the chaos
+        store = RedisServer()
+        base.start()
+        start_durable(store)
+        self.store_server = store
+        self.env = {
+            "CHAOS_BROKER": base.url_for_db(1),
+            "CHAOS_LEDGER": base.url_for_db(0),
+            "CHAOS_STORE": store.url,
+            "CHAOS_TTL": str(self.ttl),
+        }
+        self.ledger = base.client(0)
+        self.store = backend_for_url(store.url)
+        from tests.chaos import chaos_app
+
+        chaos_app.app.conf.broker_url = self.env["CHAOS_BROKER"]
+        self.task = chaos_app.work
+        self.pool = [self._worker(i) for i in range(self.workers)]
+        try:
+            for w in self.pool:
+                w.start(wait=False)
+            for w in self.pool:
+                w.wait_for_log("ready.", timeout=90)
+            self.log(f"seed={self.seed} workers={self.workers} ttl={self.ttl}")
+            self._inject_faults()
+            drained = self._drain(timeout=60 + self.ttl * 4)
+            entries = [json.loads(x) for x in self.ledger.lrange("ledger", 0, -1)]
+            done = {int(x) for x in self.ledger.smembers("done")}
+            seen = {int(x) for x in self.ledger.smembers("seen")}
+            broker = redis.Redis.from_url(self.env["CHAOS_BROKER"])
+            if not drained:
+                self.log(
+                    f"not drained: queue={broker.llen('celery')} unacked={broker.hlen('unacked')} "
+                    f"unacked_index={broker.zcard('unacked_index')} "
+                    f"unacked_mutex={broker.exists('unacked_mutex')}"
+                )
+            return {
+                "entries": entries,
+                "missing": sorted(self.submitted - done),
+                "missing_never_seen": sorted(self.submitted - done - seen),
+                "drained": drained,
+                "outliving": self.outliving,
+                "events": self.events,
+            }
+        finally:
+            for w in self.pool:
+                with contextlib.suppress(Exception):
+                    kill_tree(w.process, signal.SIGCONT)
+                    w.stop(signal.SIGKILL, timeout=5)
+                    w.log.unlink()
+            base.cleanup()
+            store.cleanup()
+
+    def _worker(self, i: int) -> Worker:
+        return Worker("tests.chaos.chaos_app", self.env, concurrency=2, name=f"chaos{i}")
+
+    def _submit(self, count: int) -> None:
+        for _ in range(count):
+            job = len(self.submitted)
+            self.submitted.add(job)
+            key = self.random.choice(KEYS)
+            self.task.apply_async((key, job, self.random.uniform(0.02, 0.25)))
+
+    def _inject_faults(self) -> None:
+        deadline = self.started + self.seconds
+        store_restart_at = self.started + self.seconds * self.random.uniform(0.3, 0.7)
+        while time.time() < deadline:
+            self._submit(self.random.randint(2, 6))
+            if store_restart_at and time.time() >= store_restart_at:
+                store_restart_at = None
+                self._restart_store()
+            else:
+                fault = self.random.choice(
+                    (self._kill_worker, self._kill_child, self._pause_worker, None)
+                )
+                if fault:
+                    fault(self.random.randrange(len(self.pool)))
+            self._sleep_watching(self.random.uniform(0.5, 2.0))
+
+    def _kill_worker(self, i: int) -> None:
+        w = self.pool[i]
+        pids = _group(w.process.pid)
+        kill_tree(w.process, signal.SIGKILL)
+        w.process.wait(10)
+        self.kills.append((time.time(), pids))
+        self.log(f"SIGKILL worker chaos{i} (pids {sorted(pids)})")
+        self.pool[i] = self._worker(i).start(wait=False)
+
+    def _kill_child(self, i: int) -> None:
+        children = _group(self.pool[i].process.pid) - {self.pool[i].process.pid}
+        if children:
+            pid = self.random.choice(sorted(children))
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            self.log(f"SIGKILL pool child {pid} of chaos{i}")
+
+    def _pause_worker(self, i: int) -> None:
+        pause = self.random.uniform(0.1, self.max_pause)
+        kill_tree(self.pool[i].process, signal.SIGSTOP)
+        self.log(f"SIGSTOP chaos{i} for {pause:.2f}s")
+        self._sleep_watching(pause)
+        kill_tree(self.pool[i].process, signal.SIGCONT)
+
+    def _restart_store(self) -> None:
+        down = self.random.uniform(0.3, 1.0)
+        self.store_server.stop(signal.SIGKILL)
+        self.log(f"lease store SIGKILLed, down for {down:.2f}s")
+        self._sleep_watching(down)
+        start_durable(self.store_server)
+
+    def _sleep_watching(self, seconds: float) -> None:
+        """Sleep, checking meanwhile that no lease outlives a killed holder by > ttl."""
+        until = time.time() + seconds
+        while time.time() < until:
+            self._check_outliving()
+            time.sleep(min(0.1, max(0.0, until - time.time())))
+
+    def _check_outliving(self) -> None:
+        now = time.time()
+        overdue = [(at, pids) for at, pids in self.kills if now - at > self.ttl + 0.3]
+        if not overdue:
+            return
+        try:
+            holders = self.store.holders("exclusive:")
+        except BackendUnavailable:
+            return  # the store is down: nothing to see
+        for info in holders:
+            for at, pids in overdue:
+                if info.holder.get("pid") in pids:
+                    self.outliving.append(
+                        f"{info.key} held by killed pid {info.holder['pid']} "
+                        f"{now - at:.2f}s after the kill (ttl {self.ttl}s)"
+                    )
+        # Checked long enough after the kill: stop watching it.
+        self.kills = [(at, p) for at, p in self.kills if now - at < self.ttl * 3]
+
+    def _drain(self, timeout: float) -> bool:
+        """Leave the workers alone until every submitted job has completed once."""
+        for w in self.pool:
+            with contextlib.suppress(Exception):
+                w.wait_for_log("ready.", timeout=60)
+        self.log(f"faults over; draining {len(self.submitted)} jobs")
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            self._check_outliving()
+            if self.ledger.scard("done") >= len(self.submitted):
+                self.log("drained")
+                return True
+            time.sleep(0.2)
+        return False
+
+
+def _group(pgid: int) -> set[int]:
+    """Pids of the processes in process group ``pgid`` (a worker and its pool)."""
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError), open(f"/proc/{entry}/stat") as stat:
+                if int(stat.read().rsplit(")", 1)[1].split()[2]) == pgid:
+                    pids.add(int(entry))
+    return pids
+
+
+def forbidden_overlaps(entries: list[dict]) -> list[tuple[dict, dict]]:
+    """Pairs of runs of one key that overlapped without the allowed excuse.
+
+    Two runs may overlap only if the later one holds a higher fencing token and the
+    earlier one had been told (by the end of its run) that its lease was lost.
+    """
+    found = []
+    by_key: dict[str, list[dict]] = {}
+    for entry in entries:
+        by_key.setdefault(entry["key"], []).append(entry)
+    for runs in by_key.values():
+        runs.sort(key=lambda e: e["start"])
+        for i, earlier in enumerate(runs):
+            for later in runs[i + 1 :]:
+                if later["start"] >= earlier["end"]:
+                    break
+                if not (later["token"] > earlier["token"] and earlier["lost"]):
+                    found.append((earlier, later))
+    return found
