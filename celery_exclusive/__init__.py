@@ -10,6 +10,7 @@ from .config import Settings
 from .errors import (
     BackendUnavailable,
     ConfigurationError,
+    DuplicateCoalesced,
     DuplicateSkipped,
     ExclusiveError,
     ExclusiveKeyError,
@@ -25,6 +26,7 @@ __all__ = [
     "Backend",
     "BackendUnavailable",
     "ConfigurationError",
+    "DuplicateCoalesced",
     "DuplicateSkipped",
     "ExclusiveError",
     "ExclusiveKeyError",

@@ -13,8 +13,9 @@ from typing import Any, Optional
 
 import click
 
-from . import config
+from . import config, marks
 from .backends import Backend, LeaseInfo, backend_for_url
+from .backends.base import reservation_mark
 from .errors import ExclusiveError
 
 
@@ -76,6 +77,23 @@ def _holders(target: Target, prefix: str) -> list[LeaseInfo]:
         raise click.ClickException(str(exc)) from None
 
 
+def _marks(backend: Backend, key: str) -> str:
+    """Pending rerun, reservation and enqueue mark of ``key``, as one short cell."""
+    if not backend.stores_marks:
+        return ""
+    found = {
+        "rerun": marks.pending_rerun(backend, key),
+        "reserved": backend.read_mark(reservation_mark(key)),
+        "queued": backend.read_mark(key + marks.QUEUED),
+    }
+    return " ".join(f"{name}:{value}" for name, value in found.items() if value)
+
+
+def _describe(backend: Backend, infos: list[LeaseInfo]) -> list[dict]:
+    marks_of = {key: _marks(backend, key) for key in {info.key for info in infos}}
+    return [{**_as_dict(info), "marks": marks_of[info.key]} for info in infos]
+
+
 def _as_dict(info: LeaseInfo) -> dict:
     holder = dict(info.holder)
     return {
@@ -90,7 +108,7 @@ def _as_dict(info: LeaseInfo) -> dict:
     }
 
 
-COLUMNS = ("key", "task_id", "hostname", "pid", "age", "expires_in", "fencing_token")
+COLUMNS = ("key", "task_id", "hostname", "pid", "age", "expires_in", "fencing_token", "marks")
 
 
 def _table(rows: list[dict]) -> str:
@@ -114,8 +132,9 @@ def _table(rows: list[dict]) -> str:
 @click.option("--json", "as_json", is_flag=True, help="One JSON document instead of a table.")
 @click.pass_obj
 def ls(target: Target, as_json: bool) -> None:
-    """List every held lease: key, holder, age, time left, fencing token."""
-    rows = [_as_dict(info) for info in _holders(target, target.key_prefix)]
+    """List every held lease: key, holder, age, time left, fencing token, and the key's
+    pending rerun, reservation and enqueue marks."""
+    rows = _describe(target.backend, _holders(target, target.key_prefix))
     click.echo(json.dumps(rows, indent=2) if as_json else _table(rows))
 
 
@@ -124,23 +143,24 @@ def ls(target: Target, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_obj
 def inspect(target: Target, key: str, as_json: bool) -> None:
-    """Show who holds KEY (with or without the key prefix)."""
+    """Show who holds KEY (with or without the key prefix), and its marks."""
     full = target.full_key(key)
     try:
         infos = target.backend.holders_of(full)
+        key_marks = _marks(target.backend, full)
     except ExclusiveError as exc:
         raise click.ClickException(str(exc)) from None
     rows = [{**_as_dict(info), "holder": dict(info.holder)} for info in infos]
     if as_json:
-        click.echo(json.dumps({"key": full, "holders": rows}, indent=2))
-    elif not rows:
-        click.echo(f"{full}: free")
-    else:
-        click.echo(f"{full}: held by {len(rows)}")
-        for row in rows:
-            for name, value in row["holder"].items():
-                click.echo(f"  {name}: {value}")
-            click.echo(f"  expires in: {row['expires_in']}s  fencing token: {row['fencing_token']}")
+        click.echo(json.dumps({"key": full, "holders": rows, "marks": key_marks}, indent=2))
+        return
+    click.echo(f"{full}: held by {len(rows)}" if rows else f"{full}: free")
+    for row in rows:
+        for name, value in row["holder"].items():
+            click.echo(f"  {name}: {value}")
+        click.echo(f"  expires in: {row['expires_in']}s  fencing token: {row['fencing_token']}")
+    if key_marks:
+        click.echo(f"  marks: {key_marks}")
 
 
 @exclusive.command()
@@ -174,7 +194,7 @@ def watch(target: Target, interval: float, count: int) -> None:
     shown = 0
     try:
         while count == 0 or shown < count:
-            rows = [_as_dict(info) for info in _holders(target, target.key_prefix)]
+            rows = _describe(target.backend, _holders(target, target.key_prefix))
             click.clear()
             click.echo(
                 f"{target.backend.safe_url}  {time.strftime('%H:%M:%S')}  {len(rows)} held\n"

@@ -25,6 +25,8 @@ REDIS_SCHEMES = ("redis", "rediss")
 ON_DUPLICATE = ("skip", "requeue", "wait", "rerun")
 ON_BACKEND_ERROR = ("requeue", "run")
 ON_LEASE_LOST = ("log", "abort")
+RERUN_ARGS = ("latest", "first")
+SCOPES = ("run", "enqueue", "both")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +47,15 @@ class Settings:
     requeue_max_delay: float = 60.0
     #: None: requeue until the key frees up, never drop the duplicate.
     requeue_max_retries: Optional[int] = None
+    #: rerun policy: the follow-up runs with the latest duplicate's arguments, or the first's.
+    rerun_args: str = "latest"
+    #: A priority caller that finds its key held reserves the next turn and waits for it.
+    priority: bool = False
+    #: "enqueue"/"both": apply_async() of a key already queued or running returns that
+    #: call's AsyncResult instead of sending again. The run-time lease is always taken.
+    scope: str = "run"
+    #: How long an enqueue mark outlives a message nobody ran (a lost message).
+    enqueue_ttl: float = 3600.0
 
 
 NAMES = tuple(f.name for f in dataclasses.fields(Settings))
@@ -95,13 +106,15 @@ def _check(owner: str, settings: Settings) -> Settings:
         ("on_duplicate", ON_DUPLICATE),
         ("on_backend_error", ON_BACKEND_ERROR),
         ("on_lease_lost", ON_LEASE_LOST),
+        ("rerun_args", RERUN_ARGS),
+        ("scope", SCOPES),
     ):
         value = getattr(settings, name)
         if value not in choices:
             raise bad(name, value, "use one of " + ", ".join(repr(c) for c in choices))
 
     numbers = {}
-    for name in ("lease_ttl", "wait_timeout", "requeue_delay", "requeue_max_delay"):
+    for name in ("lease_ttl", "wait_timeout", "requeue_delay", "requeue_max_delay", "enqueue_ttl"):
         value = getattr(settings, name)
         try:
             number = float(value)
@@ -117,6 +130,8 @@ def _check(owner: str, settings: Settings) -> Settings:
     retries = settings.requeue_max_retries
     if retries is not None and (isinstance(retries, bool) or not isinstance(retries, int)):
         raise bad("requeue_max_retries", retries, "use a whole number, or None for no limit")
+    if not isinstance(settings.priority, bool):
+        raise bad("priority", settings.priority, "use True or False")
     if not isinstance(settings.key_prefix, str):
         raise bad("key_prefix", settings.key_prefix, "use a string such as 'exclusive:'")
     key = settings.key

@@ -65,3 +65,11 @@ class DuplicateSkipped(ExclusiveError):
         super().__init__(message, key, holder_task_id)
         self.key = key
         self.holder_task_id = holder_task_id
+
+
+class DuplicateCoalesced(DuplicateSkipped):
+    """The result of a duplicate under the ``rerun`` policy that joined the pending rerun.
+
+    It did not run and is not lost: the pending rerun, task ``holder_task_id``, runs
+    once after the current holder, with the latest duplicate's arguments.
+    """

@@ -18,10 +18,19 @@ from typing import Any, Optional
 from celery import Task, bootsteps
 from celery.exceptions import Retry, WorkerLostError
 from celery.worker.request import Request
+from kombu.utils.json import dumps, loads
+from kombu.utils.uuid import uuid
 
-from . import config, policies
+from . import config, marks, policies, signals
 from .backends import Backend, Lease, backend_for_url
-from .errors import BackendUnavailable, ConfigurationError, DuplicateSkipped, ExclusiveKeyError
+from .errors import (
+    BackendUnavailable,
+    ConfigurationError,
+    DuplicateCoalesced,
+    DuplicateSkipped,
+    ExclusiveError,
+    ExclusiveKeyError,
+)
 from .keys import build_key, check_key_spec
 from .lease import HeldLease
 
@@ -99,9 +108,55 @@ class ExclusiveTask(Task):
         settings = self.exclusive_settings
         return settings.key_prefix + build_key(self.name, self.run, settings.key, args, kwargs)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def apply_async(self, args=None, kwargs=None, task_id=None, **options: Any):
+        """With ``exclusive_scope="enqueue"``, send nothing for a key already queued or
+        running: return that call's AsyncResult instead."""
         settings = self.exclusive_settings
+        if settings.scope == "run" or self.app.conf.task_always_eager:
+            return super().apply_async(args, kwargs, task_id=task_id, **options)
+        key = self.exclusive_key_for(tuple(args or ()), dict(kwargs or {}))
+        task_id = task_id or uuid()
+        try:
+            queued = marks.claim_mark(
+                self.exclusive_backend, key + marks.QUEUED, task_id, settings.enqueue_ttl
+            )
+        except BackendUnavailable as exc:
+            logger.warning(
+                "%s: cannot check whether %r is already queued, sending it (the run-time "
+                "lease still applies): %s",
+                self.name,
+                key,
+                exc,
+            )
+            queued = task_id
+        if queued != task_id:
+            logger.info("enqueue deduplicated key=%s: %s is already queued", key, queued)
+            signals.duplicate_detected.send(
+                sender=self.name,
+                key=key,
+                task_id=task_id,
+                policy="enqueue",
+                holder_task_id=queued,
+            )
+            return self.AsyncResult(queued)
+        return super().apply_async(args, kwargs, task_id=task_id, **options)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key = self.exclusive_key_for(args, kwargs)
+        if self.exclusive_settings.scope == "run" or _cannot_requeue(self.request):
+            return self._call_exclusive(key, args, kwargs)
+        finished = True
+        try:
+            return self._call_exclusive(key, args, kwargs)
+        except Retry:
+            finished = False  # the same task id comes back: it stays the queued one
+            raise
+        finally:
+            if finished:
+                self._clear_enqueue_mark(key)
+
+    def _call_exclusive(self, key: str, args: tuple, kwargs: dict) -> Any:
+        settings = self.exclusive_settings
         request = self.request
         try:
             outcome = policies.claim(
@@ -111,6 +166,9 @@ class ExclusiveTask(Task):
                 self.name,
                 request.id,
                 requeues=_requeues(request),
+                arguments=_encode_call(self.name, args, kwargs)
+                if settings.on_duplicate == "rerun"
+                else None,
             )
         except BackendUnavailable as exc:
             return self._without_store(exc, key, args, kwargs)
@@ -129,6 +187,19 @@ class ExclusiveTask(Task):
                 key,
                 outcome.holder_task_id,
             )
+        if isinstance(outcome, policies.Coalesce):
+            logger.info(
+                "duplicate coalesced key=%s task_id=%s rerun=%s",
+                key,
+                request.id,
+                outcome.rerun_task_id,
+            )
+            raise DuplicateCoalesced(
+                f"{self.name}[{request.id}] joined the pending rerun of {key!r}, task "
+                f"{outcome.rerun_task_id}, which runs once after the current holder.",
+                key,
+                outcome.rerun_task_id,
+            )
         if isinstance(outcome, policies.Requeue):
             reason = f"held by {_describe_holder(outcome.holder_task_id)}"
             if not _cannot_requeue(request):
@@ -136,7 +207,17 @@ class ExclusiveTask(Task):
             # Eager and direct calls have no queue to go back to: they wait instead.
             return self._run_under(self._wait_inline(key, reason), args, kwargs)
 
+        if outcome.arguments:
+            args, kwargs = _decode_call(outcome.arguments)
         return self._run_under(outcome.lease, args, kwargs)
+
+    def _clear_enqueue_mark(self, key: str) -> None:
+        try:
+            marks.clear_mark(self.exclusive_backend, key + marks.QUEUED, self.request.id)
+        except BackendUnavailable as exc:
+            logger.warning(
+                "enqueue mark of %r left to expire (exclusive_enqueue_ttl): %s", key, exc
+            )
 
     def _run_under(self, lease: HeldLease, args: tuple, kwargs: dict) -> Any:
         stack = _leases.__dict__.setdefault("stack", [])
@@ -227,6 +308,22 @@ def _requeues(request) -> int:
         return 0
 
 
+def _encode_call(name: str, args: tuple, kwargs: dict) -> str:
+    """A call's arguments as JSON, for a pending rerun to run with."""
+    try:
+        return dumps({"args": list(args), "kwargs": kwargs})
+    except TypeError as exc:
+        raise ExclusiveError(
+            f"{name}: exclusive_on_duplicate='rerun' keeps the latest duplicate's arguments "
+            f"in the lease store as JSON, and these are not serializable: {exc}."
+        ) from None
+
+
+def _decode_call(arguments: str) -> tuple[tuple, dict]:
+    call = loads(arguments)
+    return tuple(call["args"]), call["kwargs"]
+
+
 def _describe_holder(task_id: Optional[str]) -> str:
     return f"task {task_id}" if task_id else "another task (which has just released it)"
 
@@ -264,6 +361,8 @@ class ExclusiveRequest(Request):
             key = task.exclusive_key_for(tuple(self.args or ()), dict(self.kwargs or {}))
             backend = task.exclusive_backend
             held = [i for i in backend.holders_of(key) if i.task_id == self.id]
+            if task.exclusive_settings.scope != "run":
+                marks.clear_mark(backend, key + marks.QUEUED, self.id)
         except (BackendUnavailable, ExclusiveKeyError) as exc:
             logger.warning("could not free the lease of lost task %s: %s", self.id, exc)
             return

@@ -67,8 +67,8 @@ def wait_until(predicate, timeout: float, step: float = 0.02):
     return predicate()
 
 
-def start_holding(task, key: str, duration: float, cluster) -> object:
+def start_holding(task, key: str, duration: float, cluster, args: tuple = ()) -> object:
     """Send a long task and return once a worker holds its lease."""
-    result = task.delay(key, duration)
+    result = task.delay(key, *args, duration) if args else task.delay(key, duration)
     assert wait_until(lambda: cluster.holders(key), timeout=15), "holder never started"
     return result

@@ -10,6 +10,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
+from celery_exclusive import marks
 from celery_exclusive.backends import backend_for_url
 from celery_exclusive.cli import exclusive
 from celery_exclusive.lease import acquire
@@ -53,6 +54,7 @@ def test_ls_shows_each_lease_with_its_holder_and_token(store, held):
         "in",
         "fencing",
         "token",
+        "marks",
     ]
     assert [row.split()[0] for row in rows] == ["exclusive:invoice:7", "exclusive:invoice:8"]
     assert "task-7" in rows[0] and str(os.getpid()) in rows[0]
@@ -79,6 +81,15 @@ def test_inspect_accepts_the_key_without_its_prefix(store, held):
     data = json.loads(result.output)
     assert data["key"] == "exclusive:invoice:7"
     assert data["holders"][0]["task_id"] == "task-7"
+
+
+def test_ls_shows_a_pending_rerun_and_a_reservation_beside_the_key(store, held):
+    backend = backend_for_url(store)
+    marks.join_rerun(backend, "exclusive:invoice:7", "task-9", "{}", 30)
+    marks.reserve(backend, "exclusive:invoice:7", "nightly-1", 30)
+    rows = json.loads(run(store, "ls", "--json").output)
+    assert rows[0]["marks"] == "rerun:task-9 reserved:nightly-1"
+    assert rows[1]["marks"] == ""
 
 
 def test_inspect_of_a_free_key_says_free(store):

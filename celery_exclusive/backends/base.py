@@ -98,8 +98,12 @@ class Backend(abc.ABC):
         """Free ``lease`` if its owner still holds it. Idempotent; True if it was freed."""
 
     @abc.abstractmethod
-    def wait(self, key: str, timeout: float) -> None:
-        """Block until ``key`` may have a free slot, or ``timeout`` seconds pass."""
+    def wait(self, key: str, timeout: float, reserved: bool = False) -> None:
+        """Block until ``key`` may have a free slot, or ``timeout`` seconds pass.
+
+        ``reserved``: the caller holds the key's reservation. A store that wakes one
+        waiter per release wakes that caller first.
+        """
 
     @abc.abstractmethod
     def holders(self, prefix: str = "") -> list[LeaseInfo]:

@@ -114,7 +114,7 @@ class MemoryBackend(Backend):
             store.changed.notify_all()
             return True
 
-    def wait(self, key: str, timeout: float) -> None:
+    def wait(self, key: str, timeout: float, reserved: bool = False) -> None:
         store = self._store
         with store.changed:
             if store.live(key, time.monotonic()):

@@ -8,7 +8,10 @@ Keys for a lease key ``K`` (already namespaced, e.g. ``exclusive:invoice:7``):
                   ``~limit`` -> the limit the key is held with.
 ``K:~fence``      the fencing counter, INCRed on every grant. It never expires: a
                   counter that restarted at 1 would let an old writer pass a fence.
-``K:~signal``     a short list pushed on release; waiters BLPOP it.
+``K:~signal``     a short list pushed on release; waiters BLPOP it (Redis wakes them
+                  in the order they started waiting). While a reservation stands,
+                  release pushes ``K:~signal-reserved`` instead, which only its claimant
+                  waits on.
 ``K:~reserved``   a mark (a string with PX ttl) reserving the next grant for one
                   claimant; the acquire script honours and consumes it.
 ``*:~*``          other marks (pending reruns, enqueue flags): strings with PX ttl.
@@ -34,6 +37,7 @@ from ..errors import ConfigurationError
 from .base import Backend, Lease, LeaseInfo, reservation_mark
 
 FENCE, HOLDERS, SIGNAL, RECORD = ":~fence", ":~holders", ":~signal", ":~record"
+RESERVED_SIGNAL = ":~signal-reserved"
 #: Every key the store keeps beside a lease (and every mark) contains this.
 MARKER = ":~"
 
@@ -127,7 +131,8 @@ end
 return lost
 """
 
-# KEYS: K, K:~holders, K:~signal   ARGV: owner, limit, signal_ttl_ms
+# KEYS: K, K:~holders, K:~signal, K:~reserved, K:~signal-reserved
+# ARGV: owner, limit, signal_ttl_ms
 _RELEASE = """
 local released = 0
 if tonumber(ARGV[2]) == 1 then
@@ -141,9 +146,14 @@ else
   redis.call('HDEL', KEYS[2], ARGV[1])
 end
 if released == 1 then
-  redis.call('RPUSH', KEYS[3], 1)
-  redis.call('LTRIM', KEYS[3], -tonumber(ARGV[2]), -1)
-  redis.call('PEXPIRE', KEYS[3], ARGV[3])
+  -- While a reservation stands, wake its claimant, not whoever waited first.
+  local signal = KEYS[3]
+  if redis.call('EXISTS', KEYS[4]) == 1 then
+    signal = KEYS[5]
+  end
+  redis.call('RPUSH', signal, 1)
+  redis.call('LTRIM', signal, -tonumber(ARGV[2]), -1)
+  redis.call('PEXPIRE', signal, ARGV[3])
 end
 return released
 """
@@ -284,16 +294,23 @@ class RedisBackend(Backend):
                 f"releasing {key!r}",
                 key,
                 self._release,
-                keys=[key, key + HOLDERS, key + SIGNAL],
+                keys=[
+                    key,
+                    key + HOLDERS,
+                    key + SIGNAL,
+                    reservation_mark(key),
+                    key + RESERVED_SIGNAL,
+                ],
                 args=[lease.owner, lease.limit, _ms(max(lease.ttl, 1.0))],
             )
         )
 
-    def wait(self, key: str, timeout: float) -> None:
+    def wait(self, key: str, timeout: float, reserved: bool = False) -> None:
         # BLPOP takes whole or fractional seconds; 0 would mean "forever".
         block = min(timeout, MAX_BLOCK)
+        signal = key + (RESERVED_SIGNAL if reserved else SIGNAL)
         if block > 0:
-            self._call(f"waiting on {key!r}", key, self.client.blpop, [key + SIGNAL], block)
+            self._call(f"waiting on {key!r}", key, self.client.blpop, [signal], block)
 
     def holders(self, prefix: str = "") -> list[LeaseInfo]:
         try:

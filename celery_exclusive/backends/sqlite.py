@@ -182,7 +182,7 @@ class SQLiteBackend(Backend):
             raise self.unavailable(f"reading {key!r}", exc) from None
         return count
 
-    def wait(self, key: str, timeout: float) -> None:
+    def wait(self, key: str, timeout: float, reserved: bool = False) -> None:
         deadline = time.monotonic() + timeout
         start = self._live_count(key)
         delay = POLL_MIN

@@ -133,7 +133,13 @@ def hold_abort(self, key: str, duration: float) -> dict:
 
 def _record_signal(signal, sender, key, task_id, **extra):
     """Every celery-exclusive signal the worker sends, as seen from inside the worker."""
-    entry = {"signal": signal.name, "sender": sender, "key": key, "task_id": task_id}
+    entry = {
+        "signal": signal.name,
+        "sender": sender,
+        "key": key,
+        "task_id": task_id,
+        "pid": os.getpid(),
+    }
     entry.update({k: v for k, v in extra.items() if k in ("policy", "holder_task_id")})
     ledger().rpush("signals", json.dumps(entry))
 
@@ -145,3 +151,51 @@ for _signal in (
     signals.duplicate_detected,
 ):
     _signal.connect(_record_signal, weak=False)
+
+
+@app.task(
+    base=ExclusiveTask,
+    bind=True,
+    exclusive_key="{key}",
+    exclusive_limit=2,
+    exclusive_on_duplicate="requeue",
+)
+def hold_two(self, key: str, duration: float = 0.0) -> dict:
+    return run(self, key, duration)
+
+
+@app.task(base=ExclusiveTask, bind=True, exclusive_key="{key}", exclusive_on_duplicate="rerun")
+def webhook(self, key: str, version: int, duration: float = 0.0) -> dict:
+    """ "Something changed, go look": every change must be seen, never concurrently."""
+    entry = run(self, key, duration)
+    ledger().rpush("versions", json.dumps({"task_id": self.request.id, "version": version}))
+    return {**entry, "version": version}
+
+
+@app.task(
+    base=ExclusiveTask,
+    bind=True,
+    exclusive_key="{key}",
+    exclusive_priority=True,
+    exclusive_on_duplicate="requeue",
+)
+def nightly(self, key: str, duration: float = 0.0) -> dict:
+    return {**run(self, key, duration), "priority": True}
+
+
+@app.task(base=ExclusiveTask, bind=True, exclusive_key="{key}", exclusive_scope="enqueue")
+def enqueued_once(self, key: str, duration: float = 0.0) -> dict:
+    return run(self, key, duration)
+
+
+@app.task(
+    base=ExclusiveTask,
+    bind=True,
+    exclusive_key="{key}",
+    exclusive_scope="enqueue",
+    max_retries=5,
+)
+def enqueued_retrying(self, key: str) -> dict:
+    if self.request.retries < 3:
+        raise self.retry(countdown=0.1)
+    return run(self, key, 0)
