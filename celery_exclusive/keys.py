@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import decimal
+import functools
 import hashlib
 import inspect
 import json
@@ -82,9 +83,15 @@ def check_key_spec(task_name: str, function: Callable, spec: KeySpec) -> None:
         )
 
 
+@functools.lru_cache(maxsize=1024)
+def _signature(function: Callable) -> inspect.Signature:
+    """Signatures never change, and inspecting one costs more than the rest of a key."""
+    return inspect.signature(function)
+
+
 def _bind(task_name: str, function: Callable, args: Sequence, kwargs: Mapping) -> dict[str, Any]:
     try:
-        signature = inspect.signature(function)
+        signature = _signature(function)
     except (TypeError, ValueError):
         # No introspectable signature: key on what was passed, positionally and by name.
         return {**{f"arg{i}": a for i, a in enumerate(args)}, **kwargs}
@@ -103,7 +110,7 @@ def _bind(task_name: str, function: Callable, args: Sequence, kwargs: Mapping) -
 
 def _parameter_names(function: Callable) -> list[str] | None:
     try:
-        return list(inspect.signature(function).parameters)
+        return list(_signature(function).parameters)
     except (TypeError, ValueError):
         return None
 

@@ -59,7 +59,21 @@ class HeldLease:
 
     @property
     def lost(self) -> bool:
-        """True once the heartbeat found the lease gone. It never becomes False again."""
+        """True once the lease is gone. It never becomes False again.
+
+        The heartbeat finds most losses. A lease not renewed for a whole ttl is lost
+        too, whether or not the heartbeat has looked yet: after the process was
+        stopped (SIGSTOP, a VM pause) its body may resume before the heartbeat does.
+        """
+        if (
+            self.lost_reason is None
+            and not self.released
+            and time.monotonic() - self.renewed_at >= self.ttl
+        ):
+            self.mark_lost(
+                f"it was not renewed for {self.ttl:.1f}s (the process was paused, or the "
+                "heartbeat could not run)"
+            )
         return self.lost_reason is not None
 
     def ensure_held(self) -> None:
@@ -103,7 +117,7 @@ class HeldLease:
         return freed
 
     def mark_lost(self, reason: str) -> None:
-        if self.lost:
+        if self.lost_reason is not None:
             return
         self.lost_reason = reason
         logger.error(

@@ -122,3 +122,11 @@ def test_an_unreachable_store_loses_the_lease_only_once_its_ttl_has_passed(caplo
     finally:
         lease.release()
         server.cleanup()
+
+
+def test_a_lease_unrenewed_for_a_whole_ttl_is_lost_before_the_heartbeat_looks(store):
+    lease = acquire(store, "k", ttl=30, name="t")
+    lease.renewed_at -= 31  # as after the process was stopped for 31 s
+    assert lease.lost
+    with pytest.raises(LeaseLost, match="not renewed for 30.0s"):
+        lease.ensure_held()
