@@ -55,7 +55,7 @@ import dataclasses
 import logging
 import math
 import os
-from typing import Any, Callable, Optional, TypeVar, Union, overload
+from typing import Any, Callable, Optional, TypeVar, Union
 from urllib.parse import quote
 
 import redis
@@ -86,29 +86,6 @@ _INTEGER_SETTINGS = ("limit", "requeue_max_retries")
 _RETURNED_RETRY = tuple(int(part) for part in RQ_VERSION.split(".")[:2]) >= (2, 1)
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-@overload
-def exclusive(function: F) -> F: ...
-
-
-@overload
-def exclusive(
-    function: None = None,
-    *,
-    key: KeySpec = None,
-    on_duplicate: Optional[str] = None,
-    lease_ttl: Optional[float] = None,
-    limit: Optional[int] = None,
-    backend_url: Optional[str] = None,
-    wait_timeout: Optional[float] = None,
-    key_prefix: Optional[str] = None,
-    on_backend_error: Optional[str] = None,
-    on_lease_lost: Optional[str] = None,
-    requeue_delay: Optional[float] = None,
-    requeue_max_delay: Optional[float] = None,
-    requeue_max_retries: Optional[int] = None,
-) -> Callable[[F], F]: ...
 
 
 def exclusive(

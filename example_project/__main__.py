@@ -1,4 +1,9 @@
-"""``python -m example_project``: workers, duplicate webhooks, and a table of outcomes."""
+"""``python -m example_project``: real workers and beats, duplicate webhooks, and a table.
+
+Everything runs on this machine with no server: a filesystem broker and the embedded
+SQLite lease store. ``--backend URL`` moves the leases to Redis or Consul; ``--redis
+URL`` adds the RQ part, which needs a Redis server.
+"""
 
 from __future__ import annotations
 
@@ -18,100 +23,215 @@ ROOT = Path(__file__).resolve().parent.parent
 
 INVOICES = (101, 102, 103, 104)
 CALENDARS = (7, 8)
-SENDS_PER_EVENT = 3  # each webhook arrives this many times, all at once
+SENDS_PER_EVENT = 3  # a payment webhook arrives this many times, all at once
+CHANGES_PER_CALENDAR = 5  # change notifications arriving together for one calendar
+BEAT_SECONDS = 8.0  # how long the two beats run; the leader is stopped halfway
+
+
+class Process:
+    """A child process of the example, logging to a file in the run's folder."""
+
+    def __init__(self, args: list[str], log: Path):
+        self.log = log
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                args,
+                cwd=ROOT,
+                env={**os.environ, "PYTHONPATH": str(ROOT)},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def wait_for(self, text: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise click.ClickException(f"{self.log.name}: no {text!r}:\n{self.text()[-2000:]}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(30)
+
+
+def celery(*args: str) -> list[str]:
+    return [sys.executable, "-m", "celery", "-A", "example_project.app", *args]
 
 
 @click.command()
 @click.option("--backend", default=None, help="Lease store URL (default: the embedded SQLite).")
 @click.option("--workers", default=2, show_default=True, help="Worker processes to start.")
-def main(backend: str | None, workers: int) -> None:
-    """Send duplicate webhooks to real Celery workers and show what was excluded."""
-    var = tempfile.mkdtemp(prefix="celery-exclusive-example-")
-    os.environ["EXAMPLE_VAR_DIR"] = var
+@click.option("--redis", "redis_url", default=None, help="Redis URL: also run the RQ part.")
+def main(backend: str | None, workers: int, redis_url: str | None) -> None:
+    """Send duplicate webhooks to real workers and beats; show what was excluded and why."""
+    var = Path(tempfile.mkdtemp(prefix="celery-exclusive-example-"))
+    os.environ["EXAMPLE_VAR_DIR"] = str(var)
     if backend:
         os.environ["EXAMPLE_BACKEND_URL"] = backend
     from example_project import app as example  # reads EXAMPLE_* at import
     from example_project import journal
 
-    procs = [start_worker(i, var) for i in range(1, workers + 1)]
+    procs = [
+        Process(
+            celery(
+                "worker",
+                "-P",
+                "prefork",
+                "-c",
+                "2",
+                "-n",
+                f"example{i}@%h",
+                "-l",
+                "INFO",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+            ),
+            var / f"worker{i}.log",
+        )
+        for i in range(1, workers + 1)
+    ]
+    beats = [
+        Process(
+            celery("beat", "-l", "INFO", "--schedule", str(var / f"beat{i}-schedule")),
+            var / f"beat{i}.log",
+        )
+        for i in (1, 2)
+    ]
     try:
-        for proc, log in procs:
-            wait_ready(proc, log)
-        click.echo(f"{workers} workers ready; sending each webhook {SENDS_PER_EVENT} times...")
+        for proc in procs:
+            proc.wait_for("ready.")
+        click.echo(f"{workers} workers and 2 beats running; sending webhooks...")
+        started = time.monotonic()
         sent = send_webhooks(example)
-        outcome = wait_for_outcomes(journal, example.JOURNAL, sent)
+        handover = run_beats(example, beats, started)
+        rq_rows = run_rq(redis_url, var) if redis_url else None
+        events = wait_for_outcomes(journal, example.JOURNAL, sent)
     finally:
-        for proc, _ in procs:
-            proc.send_signal(signal.SIGTERM)
-        for proc, _ in procs:
-            proc.wait(30)
-    store = example.settle.exclusive_settings.backend_url
-    print_report(outcome, sent, store)
+        for proc in beats + procs:
+            proc.stop()
+    print_report(events, sent, example.settle.exclusive_settings.backend_url, handover, rq_rows)
     shutil.rmtree(var, ignore_errors=True)
-    if overlapping_runs(outcome):
+    if overlapping_runs(events):
         sys.exit(1)
 
 
-def start_worker(number: int, var: str):
-    log = Path(var) / f"worker{number}.log"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "example_project.app",
-            "worker",
-            "-P",
-            "prefork",
-            "-c",
-            "2",
-            "-n",
-            f"example{number}@%h",
-            "-l",
-            "INFO",
-            "--without-gossip",
-            "--without-mingle",
-            "--without-heartbeat",
-            "-f",
-            str(log),
-        ],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT,
-    )
-    return proc, log
-
-
-def wait_ready(proc, log: Path, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not (log.exists() and "ready." in log.read_text(errors="replace")):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            text = log.read_text(errors="replace") if log.exists() else ""
-            raise click.ClickException(f"a worker did not start:\n{text[-2000:]}")
-        time.sleep(0.05)
-
-
-def send_webhooks(example) -> dict[str, int]:
+def send_webhooks(example) -> Counter:
     """Each event's copies go out back to back, as a retrying webhook sender does."""
     sent: Counter = Counter()
-    events = [(example.settle, i) for i in INVOICES] + [
-        (example.sync_calendar, c) for c in CALENDARS
-    ]
-    for task, argument in events:
+    for invoice in INVOICES:
         for _ in range(SENDS_PER_EVENT):
-            task.delay(argument)
-            sent[task.name] += 1
+            example.settle.delay(invoice)
+            sent["settle"] += 1
+    for calendar in CALENDARS:
+        for change in range(1, CHANGES_PER_CALENDAR + 1):
+            example.sync_calendar.delay(calendar, change)
+            sent["sync_calendar"] += 1
     return sent
 
 
-def wait_for_outcomes(journal, path: str, sent: dict[str, int], timeout: float = 90):
-    """Every settle call ends ran or skipped; every sync_calendar call ends ran."""
+def run_beats(example, beats: list[Process], started: float) -> str:
+    """Let the beats tick; stop the leader halfway and see the other take over."""
+    from celery_exclusive import backend_for_url
+    from celery_exclusive.beat import beat_settings, lease_key
+
+    settings = beat_settings(example.app)
+    store, key = backend_for_url(settings.backend_url), lease_key(example.app, settings)
+
+    def leader_pid():
+        holders = store.holders_of(key)
+        return holders[0].holder.get("pid") if holders else None
+
+    deadline = time.monotonic() + 15
+    while leader_pid() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(max(0.0, BEAT_SECONDS / 2 - (time.monotonic() - started)))
+    first = leader_pid()
+    stopped_at = time.monotonic()
+    next(b for b in beats if b.proc.pid == first).stop()
+    while leader_pid() in (None, first) and time.monotonic() - stopped_at < 10:
+        time.sleep(0.05)
+    took = time.monotonic() - stopped_at
+    second = leader_pid()
+    time.sleep(BEAT_SECONDS / 2)
+    for beat in beats:
+        beat.stop()
+    return (
+        f"beat pid {first} led; stopped (SIGTERM), it handed over to beat pid {second} "
+        f"in {took:.2f}s"
+    )
+
+
+def run_rq(redis_url: str, var: Path) -> list[tuple]:
+    """Three refunds per invoice through two real rq workers; the lease excludes duplicates."""
+    import redis
+    from rq import Queue
+
+    from example_project import rq_jobs
+
+    queue = Queue("example", connection=redis.Redis.from_url(redis_url))
+    workers = [
+        Process(
+            [
+                sys.executable,
+                "-m",
+                "rq.cli",
+                "worker",
+                "--url",
+                redis_url,
+                "--job-class",
+                "celery_exclusive.rq.ExclusiveJob",
+                "--logging_level",
+                "INFO",
+                "example",
+            ],
+            var / f"rq{i}.log",
+        )
+        for i in (1, 2)
+    ]
+    for worker in workers:
+        worker.wait_for("Listening on")
+    rows = []
+    try:
+        jobs = [queue.enqueue(rq_jobs.refund, i) for i in (201, 202) for _ in range(3)]
+        deadline = time.monotonic() + 60
+        while not all(j.get_status(refresh=True) in ("finished", "failed") for j in jobs):
+            if time.monotonic() > deadline:
+                raise click.ClickException("the RQ jobs did not finish")
+            time.sleep(0.1)
+        for job in jobs:
+            result = job.return_value() or {}
+            outcome = (
+                "ran"
+                if result.get("ran")
+                else (f"skipped: key held by {short(result.get('holder'))}")
+            )
+            rows.append(
+                (
+                    "refund (RQ)",
+                    f"invoice:{job.args[0]}",
+                    short(job.id),
+                    outcome,
+                    str(result.get("fencing_token", "-")),
+                    "",
+                )
+            )
+    finally:
+        for worker in workers:
+            worker.stop()
+    return rows
+
+
+def wait_for_outcomes(journal, path: str, sent: Counter, timeout: float = 90) -> list[dict]:
+    """Every call ends ran, skipped or coalesced (requeues are on the way)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         events = journal.events(path) if os.path.exists(path) else []
-        ended = Counter(e["task"] for e in events if e["event"] in ("ran", "skipped"))
+        ended = Counter(e["task"] for e in events if e["event"] != "requeued")
         if all(ended[task] >= count for task, count in sent.items()):
             return events
         time.sleep(0.2)
@@ -130,43 +250,69 @@ def overlapping_runs(events: list[dict]) -> int:
     return count
 
 
-def print_report(events: list[dict], sent: dict[str, int], store: str) -> None:
+def print_report(events, sent, store, handover, rq_rows) -> None:
     calls: dict[str, list[dict]] = defaultdict(list)
     for e in events:
         calls[e["task_id"]].append(e)
     rows = []
     for task_id, evs in calls.items():
         final = evs[-1]
-        requeues = sum(1 for e in evs if e["event"] == "requeued")
         if final["event"] == "ran":
+            requeues = sum(1 for e in evs if e["event"] == "requeued")
             outcome = f"ran after {requeues} requeue(s)" if requeues else "ran"
             token = str(final["fencing_token"])
+        elif final["event"] == "coalesced":
+            outcome, token = f"coalesced into {short(final['holder'])}", "-"
         else:
-            outcome = f"skipped: key held by {short(final['holder'])}"
-            token = "-"
-        rows.append((final["task"], final["key"], short(task_id), outcome, token, final["started"]))
-    rows.sort(key=lambda r: (r[0], r[1], r[5]))
-    header = ("task", "key", "call", "outcome", "fencing token")
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(5)]
-    line = lambda r: "  ".join(str(v).ljust(w) for v, w in zip(r, widths))  # noqa: E731
+            outcome, token = f"skipped: key held by {short(final['holder'])}", "-"
+        rows.append(
+            (
+                final["task"],
+                final["key"],
+                short(task_id),
+                outcome,
+                token,
+                final["note"] or "",
+                final["started"],
+            )
+        )
+    rows.sort(key=lambda r: (r[0], r[1], r[6]))
+    rows = [r[:6] for r in rows] + (rq_rows or [])
+    header = ("task", "key", "call", "outcome", "fencing token", "note")
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda r: "  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip()  # noqa: E731
     click.echo("\n" + line(header))
     click.echo("  ".join("-" * w for w in widths))
     for row in rows:
-        click.echo(line(row[:5]))
+        click.echo(line(row))
 
-    ran = sum(1 for e in events if e["event"] == "ran")
-    skipped = sum(1 for e in events if e["event"] == "skipped")
-    requeued = sum(1 for e in events if e["event"] == "requeued")
+    count = Counter(e["event"] for e in events)
+    reports = [e for e in events if e["task"] == "nightly_report" and e["event"] == "ran"]
     click.echo(
-        f"\n{sum(sent.values())} calls: {ran} ran, {skipped} skipped as duplicates, "
-        f"{requeued} requeues; overlapping runs of one key: {overlapping_runs(events)}"
+        f"\n{sum(sent.values())} webhook calls and {len(reports)} beat ticks: "
+        f"{count['ran']} ran, {count['skipped']} skipped as duplicates, "
+        f"{count['coalesced']} coalesced into a follow-up, {count['requeued']} requeues; "
+        f"overlapping runs of one key: {overlapping_runs(events)}"
     )
+    click.echo(f"Beat: {handover}; ticks sent twice: {ticks_sent_twice(reports)}")
+    if rq_rows is None:
+        click.echo("RQ: not run (it needs a Redis server: add --redis redis://localhost:6379/0)")
     click.echo(
-        "How: before its body runs, each task takes a lease on its key (invoice:<id>, "
-        f"calendar:<id>) in {store}.\nA call that finds the key held is a duplicate: "
-        "settle skips it (a second settlement would charge twice);\nsync_calendar "
-        "requeues it with backoff, so every change is synced, one sync at a time."
+        "How: before its body runs, each task takes a lease on its key in "
+        f"{store}.\nA call that finds the key held is a duplicate. settle skips it (a "
+        "second settlement would charge twice).\nsync_calendar coalesces it: the first "
+        "duplicate waits and runs once after the current sync, with the latest change;\n"
+        "later ones join it. The beats elect a leader with a lease of their own; only the "
+        "leader sends."
     )
+
+
+def ticks_sent_twice(reports: list[dict]) -> int:
+    """Report runs closer together than half the schedule: one tick sent by two beats."""
+    from example_project.app import REPORT_EVERY
+
+    starts = sorted(e["started"] for e in reports)
+    return sum(1 for a, b in zip(starts, starts[1:]) if b - a < REPORT_EVERY / 2)
 
 
 def short(task_id: str | None) -> str:

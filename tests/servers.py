@@ -23,7 +23,10 @@ def free_port() -> int:
 class RedisServer:
     """A ``redis-server`` child process the test owns: it can kill and restart it."""
 
-    def __init__(self) -> None:
+    def __init__(self, appendonly: bool = False) -> None:
+        #: Persist every write (fsync always), as a lease store must if a restart is
+        #: to keep its fencing counters: counters that restart at 1 pass no fence.
+        self.appendonly = appendonly
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             raise RuntimeError("redis-server is not installed: apt-get install redis-server")
@@ -49,7 +52,9 @@ class RedisServer:
                 "--save",
                 "",
                 "--appendonly",
-                "no",
+                "yes" if self.appendonly else "no",
+                "--appendfsync",
+                "always",
                 "--dir",
                 self.dir,
                 "--databases",

@@ -10,11 +10,8 @@ outside a failover window is a gap.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,8 +23,7 @@ from celery_exclusive import ConfigurationError, backend_for_url, register_schem
 from celery_exclusive.backends.memory import MemoryBackend
 from celery_exclusive.beat import LeaderScheduler
 from tests.conftest import fresh_redis_db
-from tests.servers import kill_tree
-from tests.workers import ROOT, Worker
+from tests.workers import LoggedProcess, Worker
 
 TTL = 2.4
 RETRY = TTL / 3
@@ -36,12 +32,12 @@ SLACK = 0.5
 LEASE_KEY = "exclusive:beat:beat_app"
 
 
-class Beat:
+class Beat(LoggedProcess):
     """One ``celery beat`` subprocess with its own schedule file and log."""
 
     def __init__(self, env: dict, name: str, scheduler: str, directory: Path):
         self.name = name
-        self.args = [
+        args = [
             sys.executable,
             "-m",
             "celery",
@@ -55,37 +51,7 @@ class Beat:
             "-l",
             "INFO",
         ]
-        self.env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
-        self.log = Path(tempfile.mkstemp(prefix=f"beat-{name}-", suffix=".log")[1])
-        self.process: subprocess.Popen | None = None
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def start(self) -> Beat:
-        with open(self.log, "wb") as out:
-            self.process = subprocess.Popen(
-                self.args,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                cwd=ROOT,
-                start_new_session=True,
-            )
-        return self
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.process is not None and self.process.poll() is None:
-            kill_tree(self.process, sig)
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                kill_tree(self.process, signal.SIGKILL)
-                self.process.wait(5)
+        super().__init__(args, env, f"beat-{name}")
 
 
 class Stack:

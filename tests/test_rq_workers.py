@@ -8,16 +8,12 @@ environment variables of the workers.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 import redis
@@ -27,19 +23,21 @@ from rq.job import Job
 from celery_exclusive import ConfigurationError, ExclusiveKeyError, backend_for_url
 from celery_exclusive.rq import exclusive
 from tests.apps import rq_jobs
+from tests.cluster import wait_until
 from tests.conftest import fresh_redis_db
-from tests.servers import kill_tree
-from tests.workers import ROOT, overlaps, read_ledger
+from tests.workers import LoggedProcess, overlaps, read_ledger
 
 TTL = 2.0
 DONE = ("finished", "failed")
 
 
-class RQWorker:
+class RQWorker(LoggedProcess):
     """One ``rq worker`` subprocess using ExclusiveJob, its log in a file."""
 
+    ready_text = "Listening on"
+
     def __init__(self, url: str, queue: str, name: str, scheduler: bool = True, env=None):
-        self.args = [
+        args = [
             sys.executable,
             "-m",
             "rq.cli",
@@ -55,46 +53,15 @@ class RQWorker:
             *(["--with-scheduler"] if scheduler else []),
             queue,
         ]
-        self.env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-        self.log = Path(tempfile.mkstemp(prefix=f"rq-{name}-", suffix=".log")[1])
-        self.process: subprocess.Popen | None = None
-
-    def start(self) -> RQWorker:
-        with open(self.log, "wb") as out:
-            self.process = subprocess.Popen(
-                self.args,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                cwd=ROOT,
-                start_new_session=True,
-            )
-        return self
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
+        super().__init__(args, env or {}, f"rq-{name}")
 
     def wait_ready(self, timeout: float = 30) -> RQWorker:
-        deadline = time.monotonic() + timeout
-        while "Listening on" not in self.output():
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"rq worker exited ({self.process.returncode}):\n{self.output()}"
-                )
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rq worker not ready:\n{self.output()[-3000:]}")
-            time.sleep(0.05)
+        self.wait_for_log(self.ready_text, timeout)
         return self
 
-    def stop(self) -> None:
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            kill_tree(self.process, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(15)
-        kill_tree(self.process, signal.SIGKILL)  # and any work horse left behind
-        self.process.wait(10)
+    def stop(self) -> int:
+        # The whole group: a work horse still running a long job goes too.
+        return super().stop(signal.SIGTERM, timeout=15, group=True)
 
 
 class Stack:
@@ -142,16 +109,6 @@ def stack(redis_server):
 def rq_stack(stack):
     stack.client.delete("ledger")
     return stack
-
-
-def wait_until(predicate, timeout: float, step: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(step)
-    return predicate()
 
 
 def status(job: Job) -> str:

@@ -16,8 +16,80 @@ from tests.servers import kill_tree
 ROOT = Path(__file__).resolve().parent.parent
 
 
-class Worker:
-    """One ``celery worker`` subprocess with its log in a file the test can read."""
+class LoggedProcess:
+    """A subprocess in a session of its own, its output in a log file the test reads."""
+
+    #: Text the log shows once the process is ready (None: ready at once).
+    ready_text: str | None = None
+
+    def __init__(self, args: list[str], env: dict, name: str):
+        self.args = args
+        self.env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+        self.log = Path(tempfile.mkstemp(prefix=f"{name}-", suffix=".log")[1])
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def start(self, wait: bool = True):
+        with open(self.log, "wb") as out:
+            self.process = subprocess.Popen(
+                self.args,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                cwd=ROOT,
+                start_new_session=True,
+            )
+        if wait and self.ready_text:
+            self.wait_for_log(self.ready_text, timeout=60)
+        return self
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for_log(self, text: str, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.output():
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"{self.args[:6]} exited ({self.process.returncode}):\n{self.output()}"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {text!r} in the log:\n{self.output()[-3000:]}")
+            time.sleep(0.05)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30, group: bool = False) -> int:
+        """Signal the main process (as an init system would: a SIGTERM to a worker's
+        pool children too would kill the tasks a warm shutdown should finish), or the
+        whole ``group``; then make sure nothing of it is left."""
+        if self.process is None:
+            return 0
+        if self.process.poll() is None:
+            if group:
+                kill_tree(self.process, sig)
+            else:
+                self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                kill_tree(self.process, signal.SIGKILL)
+                self.process.wait(10)
+        kill_tree(self.process, signal.SIGKILL)
+        return self.process.returncode
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class Worker(LoggedProcess):
+    """One ``celery worker`` subprocess."""
+
+    ready_text = "ready."
 
     def __init__(
         self,
@@ -28,7 +100,7 @@ class Worker:
         name: str = "w1",
         extra: tuple = (),
     ):
-        self.args = [
+        args = [
             sys.executable,
             "-m",
             "celery",
@@ -48,57 +120,7 @@ class Worker:
             "--without-heartbeat",
             *extra,
         ]
-        self.env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
-        self.log = Path(tempfile.mkstemp(prefix=f"worker-{name}-", suffix=".log")[1])
-        self.process: subprocess.Popen | None = None
-
-    def start(self, wait: bool = True) -> Worker:
-        with open(self.log, "wb") as out:
-            self.process = subprocess.Popen(
-                self.args,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                cwd=ROOT,
-                start_new_session=True,
-            )
-        if wait:
-            self.wait_for_log("ready.", timeout=60)
-        return self
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def wait_for_log(self, text: str, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while text not in self.output():
-            if self.process.poll() is not None:
-                raise RuntimeError(f"worker exited ({self.process.returncode}):\n{self.output()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no {text!r} in worker log:\n{self.output()[-3000:]}")
-            time.sleep(0.05)
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
-        if self.process is None:
-            return 0
-        if self.process.poll() is None:
-            # Signal the main process only, as an init system would: a SIGTERM to the
-            # pool children too would kill the tasks a warm shutdown should finish.
-            self.process.send_signal(sig)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                kill_tree(self.process, signal.SIGKILL)
-                self.process.wait(10)
-        # Pool children may outlive a killed parent: leave nothing behind.
-        kill_tree(self.process, signal.SIGKILL)
-        return self.process.returncode
-
-    def __enter__(self) -> Worker:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+        super().__init__(args, env, f"worker-{name}")
 
 
 def read_ledger(client) -> list[dict]:

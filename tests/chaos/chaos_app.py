@@ -76,6 +76,15 @@ def work(self, key: str, job: int, duration: float) -> None:
     pipe.execute()
 
 
+@signals.after_task_publish.connect
+def _published(sender, body, **extra) -> None:
+    """When each copy of a job was sent (the first, and every requeue): a copy sent just
+    before its fetching worker was SIGKILLed can be lost in the broker's fetch window."""
+    if sender == "chaos.work":
+        job = body[0][1]  # protocol 2: (args, kwargs, embed)
+        ledger().hset("published", job, time.time())
+
+
 @signals.task_prerun.connect
 def _seen(task_id, task, args, **extra) -> None:
     """Note that a worker received the job: one missing later was lost after this point,
