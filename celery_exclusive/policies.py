@@ -13,9 +13,12 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from kombu.utils.json import dumps, loads
+
 from . import marks, signals
 from .backends import Backend
 from .config import Settings
+from .errors import ExclusiveError
 from .lease import HeldLease, acquire
 
 
@@ -147,6 +150,26 @@ def requeue_delay(settings: Settings, requeues: int) -> float:
     """
     ceiling = min(settings.requeue_max_delay, settings.requeue_delay * 2 ** min(requeues, 30))
     return ceiling / 2 + random.uniform(0, ceiling / 2)
+
+
+def encode_call(name: str, args, kwargs) -> str:
+    """A call's arguments as JSON, for a pending rerun to run with.
+
+    kombu's JSON, as Celery's messages use: dates, UUIDs and decimals come back as
+    they went in.
+    """
+    try:
+        return dumps({"args": list(args), "kwargs": dict(kwargs)})
+    except TypeError as exc:
+        raise ExclusiveError(
+            f"{name}: on_duplicate='rerun' keeps the latest duplicate's arguments in the "
+            f"lease store as JSON, and these are not serializable: {exc}."
+        ) from None
+
+
+def decode_call(arguments: str) -> tuple[tuple, dict]:
+    call = loads(arguments)
+    return tuple(call["args"]), call["kwargs"]
 
 
 def _try(

@@ -31,7 +31,12 @@ What a duplicate gets, readable in ``job.meta["exclusive"]``:
   the scheduled registry forever. Needs RQ 2.1 or later.
 - ``wait``: the horse blocks up to ``wait_timeout`` (kept under half the job's
   timeout), woken by the holder's release, then falls back to ``requeue``.
-- ``rerun`` is not available for RQ jobs yet.
+- ``rerun``: coalesced. The first duplicate becomes the key's pending rerun and waits
+  (then requeues) for the key; later duplicates finish at once with
+  ``{"outcome": "coalesced", "rerun": <pending job id>}``. The pending job runs once
+  after the current holder, with the latest duplicate's arguments (``rerun_args``).
+- ``priority=True``: a job that finds its key held reserves the next turn and waits
+  for it; ordinary jobs stop getting the key meanwhile.
 
 Settings: every setting ``<name>`` comes from the decorator argument, else the
 environment variable ``EXCLUSIVE_<NAME>`` of the process (``EXCLUSIVE_LEASE_TTL=60``),
@@ -103,6 +108,8 @@ def exclusive(
     requeue_delay: Optional[float] = None,
     requeue_max_delay: Optional[float] = None,
     requeue_max_retries: Optional[int] = None,
+    rerun_args: Optional[str] = None,
+    priority: Optional[bool] = None,
 ) -> Union[F, Callable[[F], F]]:
     """Mark an RQ job function as exclusive; ``ExclusiveJob`` runs it under its lease.
 
@@ -130,6 +137,8 @@ def exclusive(
             ("requeue_delay", requeue_delay),
             ("requeue_max_delay", requeue_max_delay),
             ("requeue_max_retries", requeue_max_retries),
+            ("rerun_args", rerun_args),
+            ("priority", priority),
         )
         if value is not None
     }
@@ -157,13 +166,7 @@ def resolve_settings(
 
     ``connection_url`` (the job's Redis) is the default lease store.
     """
-    settings = config.resolve(name, options.get, setting_from_environment, connection_url)
-    if settings.on_duplicate == "rerun":
-        raise ConfigurationError(
-            f"{name}: on_duplicate='rerun' is not supported for RQ jobs yet; "
-            "use 'skip', 'requeue' or 'wait'."
-        )
-    return settings
+    return config.resolve(name, options.get, setting_from_environment, connection_url)
 
 
 def setting_from_environment(name: str) -> Any:
@@ -233,15 +236,30 @@ class ExclusiveJob(Job):
                 self.func_name,
                 self.id,
                 requeues=self._exclusive_requeues(),
+                arguments=policies.encode_call(self.func_name, self.args, self.kwargs)
+                if settings.on_duplicate == "rerun"
+                else None,
             )
         except BackendUnavailable as exc:
             return self._without_store(settings, key, exc)
         if isinstance(outcome, policies.Skip):
             return self._skip(key, outcome.holder_task_id)
+        if isinstance(outcome, policies.Coalesce):
+            logger.info(
+                "duplicate coalesced key=%s job_id=%s rerun=%s",
+                key,
+                self.id,
+                outcome.rerun_task_id,
+            )
+            return self._exclusive_record("coalesced", key, rerun=outcome.rerun_task_id)
         if isinstance(outcome, policies.Requeue):
             return self._requeue(
                 settings, key, outcome.countdown, outcome.holder_task_id, "held by another job"
             )
+        if outcome.arguments:
+            # The pending rerun runs with the latest duplicate's arguments (saved with
+            # the job, so its record says what it ran with).
+            self.args, self.kwargs = policies.decode_call(outcome.arguments)
         return self._run_under(settings, outcome.lease)
 
     @property

@@ -18,7 +18,6 @@ from typing import Any, Optional
 from celery import Task, bootsteps
 from celery.exceptions import Retry, WorkerLostError
 from celery.worker.request import Request
-from kombu.utils.json import dumps, loads
 from kombu.utils.uuid import uuid
 
 from . import config, marks, policies, signals
@@ -28,7 +27,6 @@ from .errors import (
     ConfigurationError,
     DuplicateCoalesced,
     DuplicateSkipped,
-    ExclusiveError,
     ExclusiveKeyError,
 )
 from .keys import build_key, check_key_spec
@@ -166,7 +164,7 @@ class ExclusiveTask(Task):
                 self.name,
                 request.id,
                 requeues=_requeues(request),
-                arguments=_encode_call(self.name, args, kwargs)
+                arguments=policies.encode_call(self.name, args, kwargs)
                 if settings.on_duplicate == "rerun"
                 else None,
             )
@@ -208,7 +206,7 @@ class ExclusiveTask(Task):
             return self._run_under(self._wait_inline(key, reason), args, kwargs)
 
         if outcome.arguments:
-            args, kwargs = _decode_call(outcome.arguments)
+            args, kwargs = policies.decode_call(outcome.arguments)
         return self._run_under(outcome.lease, args, kwargs)
 
     def _clear_enqueue_mark(self, key: str) -> None:
@@ -306,22 +304,6 @@ def _requeues(request) -> int:
         return int(value)
     except (TypeError, ValueError):
         return 0
-
-
-def _encode_call(name: str, args: tuple, kwargs: dict) -> str:
-    """A call's arguments as JSON, for a pending rerun to run with."""
-    try:
-        return dumps({"args": list(args), "kwargs": kwargs})
-    except TypeError as exc:
-        raise ExclusiveError(
-            f"{name}: exclusive_on_duplicate='rerun' keeps the latest duplicate's arguments "
-            f"in the lease store as JSON, and these are not serializable: {exc}."
-        ) from None
-
-
-def _decode_call(arguments: str) -> tuple[tuple, dict]:
-    call = loads(arguments)
-    return tuple(call["args"]), call["kwargs"]
 
 
 def _describe_holder(task_id: Optional[str]) -> str:

@@ -291,9 +291,27 @@ def test_a_call_whose_key_cannot_be_built_fails_naming_the_job_and_argument(rq_s
     assert job.id in error and "tests.apps.rq_jobs.hold_skip" in error and "'key'" in error
 
 
-def test_rerun_is_refused_for_rq_jobs():
-    with pytest.raises(ConfigurationError, match="rerun.*not supported for RQ"):
-        exclusive(on_duplicate="rerun")(rq_jobs.plain)
+def test_duplicates_during_one_run_coalesce_into_one_follow_up_with_the_latest_arguments(
+    rq_stack,
+):
+    # A third worker: one runs the holder, one waits as the pending rerun, one takes the
+    # other duplicates as they arrive.
+    extra = rq_stack.worker("w3").start()
+    try:
+        holder = rq_stack.enqueue(rq_jobs.webhook, "calendar", 0, 2.0)
+        assert wait_until(lambda: holder.get_status(refresh=True) == "started", timeout=10)
+        duplicates = [rq_stack.enqueue(rq_jobs.webhook, "calendar", v) for v in range(1, 11)]
+        assert wait_done([holder, *duplicates], timeout=40) == ["finished"] * 11
+    finally:
+        extra.stop()
+    outcomes = [d.return_value() for d in duplicates]
+    ran = [o for o in outcomes if "version" in o]
+    coalesced = [o for o in outcomes if o.get("outcome") == "coalesced"]
+    assert len(ran) == 1 and len(coalesced) == 9
+    pending = duplicates[outcomes.index(ran[0])]
+    assert {c["rerun"] for c in coalesced} == {pending.id}
+    assert ran[0]["start"] >= holder.return_value()["end"]
+    assert ran[0]["version"] in range(1, 11)  # a duplicate's change, seen by the follow-up
 
 
 def test_a_bad_setting_is_refused_when_the_function_is_decorated():

@@ -79,3 +79,9 @@ def unlocked_when_store_down(key: str) -> dict:
 @exclusive(key="{key}", backend_url=DEAD_STORE)
 def requeued_when_store_down(key: str) -> dict:
     return run(key, 0)
+
+
+@exclusive(key="{key}", on_duplicate="rerun")
+def webhook(key: str, version: int, duration: float = 0.0) -> dict:
+    """ "Something changed, go look": every change seen, never two syncs at once."""
+    return {**run(key, duration), "version": version}
