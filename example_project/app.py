@@ -36,9 +36,9 @@ for folder in (QUEUE, os.path.join(VAR, "processed")):
 REPORT_EVERY = 2.0
 
 
-def _beat_pid() -> int:
-    """Evaluated by the beat that sends (BeatLazyFunc): which beat sent the tick."""
-    return os.getpid()
+def _sent_by() -> dict:
+    """Evaluated by the beat as it sends (BeatLazyFunc): which beat sent the tick, when."""
+    return {"pid": os.getpid(), "at": time.time()}
 
 
 app = Celery("example_project")
@@ -67,7 +67,7 @@ app.conf.update(
         "nightly-report": {
             "task": "nightly_report",
             "schedule": timedelta(seconds=REPORT_EVERY),
-            "kwargs": {"beat_pid": BeatLazyFunc(_beat_pid)},
+            "kwargs": {"sent": BeatLazyFunc(_sent_by)},
         }
     },
 )
@@ -75,7 +75,7 @@ if os.environ.get("EXAMPLE_BACKEND_URL"):
     app.conf.exclusive_backend_url = os.environ["EXAMPLE_BACKEND_URL"]
 
 
-def _run(task, key: str, seconds: float, note: str = "") -> None:
+def _run(task, key: str, seconds: float, note: str = "", sent_at: float | None = None) -> None:
     started = time.time()
     time.sleep(seconds)
     journal.record(
@@ -89,6 +89,7 @@ def _run(task, key: str, seconds: float, note: str = "") -> None:
         ended=time.time(),
         worker=f"{task.request.hostname} pid {os.getpid()}",
         note=note,
+        sent_at=sent_at,
     )
 
 
@@ -121,8 +122,8 @@ def sync_calendar(self, calendar_id: int, change: int) -> None:
     exclusive_key="nightly-report",
     exclusive_on_duplicate="skip",
 )
-def nightly_report(self, beat_pid: int) -> None:
-    _run(self, "nightly-report", 0.1, note=f"sent by beat pid {beat_pid}")
+def nightly_report(self, sent: dict) -> None:
+    _run(self, "nightly-report", 0.1, note=f"sent by beat pid {sent['pid']}", sent_at=sent["at"])
 
 
 @duplicate_detected.connect

@@ -9,7 +9,7 @@ import time
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (
     task_id TEXT, task TEXT, key TEXT, event TEXT, fencing_token INTEGER,
-    started REAL, ended REAL, holder TEXT, worker TEXT, note TEXT
+    started REAL, ended REAL, holder TEXT, worker TEXT, note TEXT, sent_at REAL
 )
 """
 
