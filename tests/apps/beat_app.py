@@ -24,6 +24,8 @@ from celery import Celery
 from celery.beat import BeatLazyFunc
 from celery.schedules import schedstate, schedule
 
+from tests.apps import ledger_client
+
 
 class every_second(schedule):  # noqa: N801 - named like Celery's own schedules
     """Due once per wall-clock second, right after the second starts.
@@ -62,14 +64,9 @@ app.conf.update(
 if os.environ.get("EXCLUSIVE_TEST_INNER"):
     app.conf.exclusive_beat_scheduler = os.environ["EXCLUSIVE_TEST_INNER"]
 
-_ledger = None
-
 
 def ledger() -> redis.Redis:
-    global _ledger
-    if _ledger is None:
-        _ledger = redis.Redis.from_url(os.environ.get("EXCLUSIVE_TEST_LEDGER", "redis://"))
-    return _ledger
+    return ledger_client()
 
 
 @app.task(name="beat_app.record_tick")

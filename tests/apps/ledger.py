@@ -20,6 +20,7 @@ from celery import Celery
 from celery.exceptions import Ignore, Reject
 
 from celery_exclusive import ExclusiveTask, signals
+from tests.apps import ledger_client
 
 app = Celery("ledger")
 app.conf.update(
@@ -39,14 +40,9 @@ for name in ("on_duplicate", "on_backend_error", "on_lease_lost", "wait_timeout"
     if value is not None:
         app.conf[f"exclusive_{name}"] = value if not value[0].isdigit() else float(value)
 
-_ledger = None
-
 
 def ledger() -> redis.Redis:
-    global _ledger
-    if _ledger is None:
-        _ledger = redis.Redis.from_url(os.environ.get("EXCLUSIVE_TEST_LEDGER", "redis://"))
-    return _ledger
+    return ledger_client()
 
 
 def run(task, key: str, duration: float) -> dict:

@@ -18,17 +18,13 @@ import redis
 from rq import get_current_job
 
 from celery_exclusive.rq import META_KEY, current_lease, exclusive
+from tests.apps import ledger_client
 
 DEAD_STORE = os.environ.get("EXCLUSIVE_TEST_DEAD_STORE", "redis://127.0.0.1:1/0")
 
-_ledger = None
-
 
 def ledger() -> redis.Redis:
-    global _ledger
-    if _ledger is None:
-        _ledger = redis.Redis.from_url(os.environ.get("EXCLUSIVE_TEST_LEDGER", "redis://"))
-    return _ledger
+    return ledger_client()
 
 
 def run(key: str, duration: float) -> dict:

@@ -20,6 +20,7 @@ import redis
 from celery import Celery, signals
 
 from celery_exclusive import ExclusiveTask
+from tests.apps import ledger_client
 
 app = Celery("chaos")
 app.conf.update(
@@ -46,14 +47,9 @@ app.conf.update(
     worker_hijack_root_logger=False,
 )
 
-_ledger = None
-
 
 def ledger() -> redis.Redis:
-    global _ledger
-    if _ledger is None:
-        _ledger = redis.Redis.from_url(os.environ.get("CHAOS_LEDGER", "redis://"))
-    return _ledger
+    return ledger_client("CHAOS_LEDGER")
 
 
 @app.task(name="chaos.work", base=ExclusiveTask, bind=True, exclusive_key="{key}")
