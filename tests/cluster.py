@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import redis
@@ -53,8 +54,19 @@ class Stack:
     def holders(self, key: str):
         return backend_for_url(self.store).holders_of("exclusive:" + key)
 
+    @contextlib.contextmanager
+    def running(self, *workers: Worker):
+        """Point this process's client at the stack, run ``workers``, stop them after."""
+        self.configure_client()
+        self.workers = [worker.start() for worker in workers]
+        try:
+            yield self
+        finally:
+            for worker in self.workers:
+                worker.stop()
+
     def reset(self) -> None:
-        self.ledger.delete("ledger", "entered", "signals")
+        self.ledger.delete("ledger", "entered", "signals", "versions")
 
 
 def wait_until(predicate, timeout: float, step: float = 0.02):

@@ -36,6 +36,13 @@ def client_dbs(redis_server):
 
 
 @pytest.fixture
+def cluster(stack):
+    """The module's ``stack`` (workers already running), its ledger emptied for this test."""
+    stack.reset()
+    return stack
+
+
+@pytest.fixture
 def redis_url(redis_server):
     """A Redis database of the test's own, empty at start."""
     return fresh_redis_db(redis_server)

@@ -14,21 +14,13 @@ from tests.workers import overlaps, read_ledger
 @pytest.fixture(scope="module", params=["threads", "solo", "prefork"])
 def stack(request, redis_server, client_dbs, tmp_path_factory):
     stack = Stack(redis_server, *client_dbs, "redis", tmp_path_factory)
-    stack.configure_client()
     concurrency = 1 if request.param == "solo" else 4
     workers = [
-        stack.worker(f"{request.param}{i}", pool=request.param, concurrency=concurrency).start()
+        stack.worker(f"{request.param}{i}", pool=request.param, concurrency=concurrency)
         for i in range(2)
     ]
-    yield stack
-    for worker in workers:
-        worker.stop()
-
-
-@pytest.fixture
-def cluster(stack):
-    stack.reset()
-    return stack
+    with stack.running(*workers):
+        yield stack
 
 
 def test_runs_of_one_key_never_overlap(cluster):

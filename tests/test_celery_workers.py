@@ -26,18 +26,8 @@ KEYS = [f"key-{i}" for i in range(10)]
 @pytest.fixture(scope="module", params=["redis", "sqlite"])
 def stack(request, redis_server, client_dbs, tmp_path_factory):
     stack = Stack(redis_server, *client_dbs, request.param, tmp_path_factory)
-    stack.configure_client()
-    workers = [stack.worker("w1").start(), stack.worker("w2").start()]
-    stack.workers = workers
-    yield stack
-    for worker in workers:
-        worker.stop()
-
-
-@pytest.fixture
-def cluster(stack):
-    stack.reset()
-    return stack
+    with stack.running(stack.worker("w1"), stack.worker("w2")):
+        yield stack
 
 
 # --- exclusion ------------------------------------------------------------------

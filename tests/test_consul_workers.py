@@ -20,17 +20,8 @@ from tests.workers import overlaps, read_ledger
 def stack(redis_server, client_dbs, consul_server, tmp_path_factory):
     store = f"{consul_server.url}/exclusive-workers/{uuid.uuid4().hex}"
     stack = Stack(redis_server, *client_dbs, store, tmp_path_factory)
-    stack.configure_client()
-    workers = [stack.worker("c1").start(), stack.worker("c2").start()]
-    yield stack
-    for worker in workers:
-        worker.stop()
-
-
-@pytest.fixture
-def cluster(stack):
-    stack.reset()
-    return stack
+    with stack.running(stack.worker("c1"), stack.worker("c2")):
+        yield stack
 
 
 def test_two_workers_never_overlap_runs_of_one_key_on_consul(cluster):

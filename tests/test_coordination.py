@@ -25,18 +25,8 @@ from tests.workers import read_ledger
 @pytest.fixture(scope="module")
 def stack(redis_server, client_dbs, tmp_path_factory):
     stack = Stack(redis_server, *client_dbs, "redis", tmp_path_factory)
-    stack.configure_client()
-    workers = [stack.worker(f"c{i}", concurrency=4).start() for i in range(3)]
-    yield stack
-    for worker in workers:
-        worker.stop()
-
-
-@pytest.fixture
-def cluster(stack):
-    stack.reset()
-    stack.ledger.delete("versions")
-    return stack
+    with stack.running(*(stack.worker(f"c{i}", concurrency=4) for i in range(3))):
+        yield stack
 
 
 def most_at_once(entries: list[dict]) -> int:

@@ -127,14 +127,18 @@ def read_ledger(client) -> list[dict]:
     return [json.loads(raw) for raw in client.lrange("ledger", 0, -1)]
 
 
-def overlaps(entries: list[dict]) -> list[tuple[dict, dict]]:
-    """Pairs of runs of one key whose [start, end] intervals intersect."""
-    found = []
+def runs_by_key(entries: list[dict]) -> list[list[dict]]:
+    """Ledger entries grouped by key, each group in order of start."""
     by_key: dict[str, list[dict]] = {}
     for entry in entries:
         by_key.setdefault(entry["key"], []).append(entry)
-    for runs in by_key.values():
-        runs.sort(key=lambda e: e["start"])
+    return [sorted(runs, key=lambda e: e["start"]) for runs in by_key.values()]
+
+
+def overlaps(entries: list[dict]) -> list[tuple[dict, dict]]:
+    """Pairs of runs of one key whose [start, end] intervals intersect."""
+    found = []
+    for runs in runs_by_key(entries):
         for earlier, later in zip(runs, runs[1:]):
             if later["start"] < earlier["end"]:
                 found.append((earlier, later))

@@ -20,7 +20,7 @@ import redis
 
 from celery_exclusive import BackendUnavailable, backend_for_url
 from tests.servers import RedisServer, kill_tree
-from tests.workers import Worker
+from tests.workers import Worker, runs_by_key
 
 KEYS = ("alpha", "beta", "gamma")
 #: A copy of a job sent this long before a whole worker's SIGKILL may have been popped
@@ -252,11 +252,7 @@ def forbidden_overlaps(entries: list[dict]) -> list[tuple[dict, dict]]:
     earlier one had been told (by the end of its run) that its lease was lost.
     """
     found = []
-    by_key: dict[str, list[dict]] = {}
-    for entry in entries:
-        by_key.setdefault(entry["key"], []).append(entry)
-    for runs in by_key.values():
-        runs.sort(key=lambda e: e["start"])
+    for runs in runs_by_key(entries):
         for i, earlier in enumerate(runs):
             for later in runs[i + 1 :]:
                 if later["start"] >= earlier["end"]:
