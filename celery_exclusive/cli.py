@@ -15,7 +15,6 @@ import click
 
 from . import config, marks
 from .backends import Backend, LeaseInfo, backend_for_url
-from .backends.base import reservation_mark
 from .errors import ExclusiveError
 
 
@@ -78,12 +77,12 @@ def _holders(target: Target, prefix: str) -> list[LeaseInfo]:
 
 
 def _marks(backend: Backend, key: str) -> str:
-    """Pending rerun, reservation and enqueue mark of ``key``, as one short cell."""
+    """Pending rerun, line of waiters and enqueue mark of ``key``, as one short cell."""
     if not backend.stores_marks:
         return ""
     found = {
         "rerun": marks.pending_rerun(backend, key),
-        "reserved": backend.read_mark(reservation_mark(key)),
+        "line": ",".join(marks.line_of(backend, key)),
         "queued": backend.read_mark(key + marks.QUEUED),
     }
     return " ".join(f"{name}:{value}" for name, value in found.items() if value)
@@ -133,7 +132,7 @@ def _table(rows: list[dict]) -> str:
 @click.pass_obj
 def ls(target: Target, as_json: bool) -> None:
     """List every held lease: key, holder, age, time left, fencing token, and the key's
-    pending rerun, reservation and enqueue marks."""
+    pending rerun, line of waiters and enqueue mark."""
     rows = _describe(target.backend, _holders(target, target.key_prefix))
     click.echo(json.dumps(rows, indent=2) if as_json else _table(rows))
 

@@ -49,7 +49,7 @@ class Settings:
     requeue_max_retries: Optional[int] = None
     #: rerun policy: the follow-up runs with the latest duplicate's arguments, or the first's.
     rerun_args: str = "latest"
-    #: A priority caller that finds its key held reserves the next turn and waits for it.
+    #: A priority caller that finds its key held takes the next turn and waits for it.
     priority: bool = False
     #: "enqueue"/"both": apply_async() of a key already queued or running returns that
     #: call's AsyncResult instead of sending again. The run-time lease is always taken.

@@ -147,9 +147,9 @@ def acquire(
 ) -> Optional[HeldLease]:
     """Try once to take ``key``; on success the lease is renewed until released.
 
-    ``claimant`` identifies a caller that may hold a reservation of the key's next
-    turn (see :mod:`celery_exclusive.marks`). Raises :class:`BackendUnavailable` when
-    the store does not answer.
+    ``claimant`` is what the key's line of waiters knows the caller by (see
+    :mod:`celery_exclusive.marks`): the line admits only its first. Raises
+    :class:`BackendUnavailable` when the store does not answer.
     """
     record = {
         "task": name,

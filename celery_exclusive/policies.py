@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -20,6 +21,10 @@ from .backends import Backend
 from .config import Settings
 from .errors import ExclusiveError
 from .lease import HeldLease, acquire
+
+#: Seconds a waiter sleeps when the store woke it at once but refused the grant; it
+#: doubles while that goes on.
+SPIN_PAUSE = 0.01
 
 
 @dataclass(frozen=True)
@@ -68,19 +73,21 @@ def claim(
     Raises :class:`BackendUnavailable` if the store does not answer; what happens then
     (``on_backend_error``) is the integration's call, since only it can requeue.
     """
-    lease = _try(settings, backend, key, name, task_id)
+    lease = _try(settings, backend, key, name, task_id, task_id)
     if lease is not None:
         return _run(settings, backend, key, task_id, lease)
 
-    holder = holder_of(backend, key)
-    if settings.priority and task_id and marks.reserve(backend, key, task_id, settings.lease_ttl):
+    # Whom this call yields to: a holder, or else whoever is first in line for the key.
+    holder = holder_of(backend, key) or next(iter(marks.line_of(backend, key)), None)
+    if settings.priority and task_id:
         _detected(name, key, task_id, "priority", holder)
-        lease = wait_for(settings, backend, key, name, task_id, reserved=True)
+        countdown = requeue_delay(settings, requeues)
+        # If it has to be requeued, it keeps its turn while the message is away; the
+        # turn lapses if the task never comes back.
+        away = countdown + settings.lease_ttl
+        lease = wait_for(settings, backend, key, name, task_id, priority=True, keep_place=away)
         if lease is not None:
             return Run(lease)
-        countdown = requeue_delay(settings, requeues)
-        # Keep the turn while the message is away; it lapses if the task never returns.
-        marks.reserve(backend, key, task_id, countdown + settings.lease_ttl)
         return Requeue(key, countdown, holder)
 
     policy = settings.on_duplicate
@@ -101,7 +108,8 @@ def claim(
         lease = wait_for(settings, backend, key, name, task_id)
         if lease is not None:
             return _run(settings, backend, key, task_id, lease)
-        # Waited long enough: fall back to requeue, never drop.
+        # Waited long enough: fall back to requeue, never drop. The requeued message
+        # joins the back of the line when it comes back.
     if policy == "skip":
         return Skip(key, holder)
     return Requeue(key, requeue_delay(settings, requeues), holder)
@@ -113,25 +121,45 @@ def wait_for(
     key: str,
     name: str,
     task_id: Optional[str],
-    reserved: bool = False,
+    priority: bool = False,
+    keep_place: Optional[float] = None,
 ) -> Optional[HeldLease]:
-    """Block up to ``wait_timeout`` for ``key``; woken by the holder's release.
+    """Stand in the key's line and wait up to ``wait_timeout`` for its turn.
 
-    Each wait is also bounded by a third of the lease ttl, so a holder that died
-    without releasing (its lease simply expires) is noticed without a wake-up. A
-    ``reserved`` caller renews its reservation on every round.
+    The store lets in only the first in line, so waiters are served first come,
+    first served (priority callers first), and woken by the holder's release. Each
+    wait is also bounded by a third of the lease ttl: the caller renews its place in
+    line that often, and notices a holder that died without releasing (its lease
+    simply expires). On timeout the caller steps out of the line and None is
+    returned; with ``keep_place`` it keeps its place for that many seconds instead.
     """
+    claimant = task_id or uuid.uuid4().hex  # a direct call has no task id
     deadline = time.monotonic() + settings.wait_timeout
+    grace, beat = settings.lease_ttl, settings.lease_ttl / 3
+    marks.take_place(backend, key, claimant, grace, priority)
+    renewed_at, pause = time.monotonic(), SPIN_PAUSE
     while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        now = time.monotonic()
+        if now >= deadline:
+            if keep_place is None:
+                marks.leave_line(backend, key, claimant)
+            else:
+                marks.take_place(backend, key, claimant, keep_place, priority)
             return None
-        backend.wait(key, min(remaining, settings.lease_ttl / 3), reserved=reserved)
-        if reserved:
-            marks.reserve(backend, key, task_id, settings.lease_ttl)
-        lease = _try(settings, backend, key, name, task_id)
+        if now - renewed_at >= beat:
+            marks.take_place(backend, key, claimant, grace, priority)
+            renewed_at = now
+        backend.wait(key, min(deadline, renewed_at + beat) - now, claimant)
+        lease = _try(settings, backend, key, name, task_id, claimant)
         if lease is not None:
-            return lease
+            return lease  # the grant took this caller out of the line
+        if time.monotonic() - now < SPIN_PAUSE:
+            # The store said the key was free for us, yet the grant was refused (Consul's
+            # lock delay, a grant racing ours): do not spin on it.
+            time.sleep(pause)
+            pause = min(pause * 2, beat)
+        else:
+            pause = SPIN_PAUSE
 
 
 def holder_of(backend: Backend, key: str) -> Optional[str]:
@@ -173,11 +201,17 @@ def decode_call(arguments: str) -> tuple[tuple, dict]:
 
 
 def _try(
-    settings: Settings, backend: Backend, key: str, name: str, task_id: Optional[str]
+    settings: Settings,
+    backend: Backend,
+    key: str,
+    name: str,
+    task_id: Optional[str],
+    claimant: Optional[str],
 ) -> Optional[HeldLease]:
-    # The task id is the claimant: a reservation made for this task lets it through.
+    """Try once to take ``key``; ``claimant`` is what the key's line knows the caller
+    by: its task id, or a direct call's own id."""
     return acquire(
-        backend, key, settings.lease_ttl, settings.limit, name, task_id, claimant=task_id
+        backend, key, settings.lease_ttl, settings.limit, name, task_id, claimant=claimant
     )
 
 

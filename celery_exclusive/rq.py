@@ -35,7 +35,7 @@ What a duplicate gets, readable in ``job.meta["exclusive"]``:
   (then requeues) for the key; later duplicates finish at once with
   ``{"outcome": "coalesced", "rerun": <pending job id>}``. The pending job runs once
   after the current holder, with the latest duplicate's arguments (``rerun_args``).
-- ``priority=True``: a job that finds its key held reserves the next turn and waits
+- ``priority=True``: a job that finds its key held takes the next turn and waits
   for it; ordinary jobs stop getting the key meanwhile.
 
 Settings: every setting ``<name>`` comes from the decorator argument, else the

@@ -5,13 +5,14 @@ Runs once per store in ``conftest.BACKEND_CASES`` against the real store.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
 
 import pytest
 
-from celery_exclusive.backends.base import reservation_mark
+from celery_exclusive.backends.line import line_mark
 from celery_exclusive.errors import ConfigurationError
 
 
@@ -297,29 +298,72 @@ def test_marks_are_not_listed_as_holders(marks):
     assert marks.holders("k") == []
 
 
-def test_a_reservation_refuses_everyone_but_its_claimant(marks):
-    marks.swap_mark(reservation_mark("k"), None, "nightly", 10)
+def stand_in_line(store, key: str, *claimants: str, ttl: float = 10) -> None:
+    """Make ``claimants`` the line of ``key``, in that order, the way waiters write it."""
+    line = json.dumps([{"id": c, "until": time.time() + ttl} for c in claimants])
+    assert store.swap_mark(line_mark(key), store.read_mark(line_mark(key)), line, ttl)
+
+
+def in_line(store, key: str) -> list[str]:
+    return [entry["id"] for entry in json.loads(store.read_mark(line_mark(key)) or "[]")]
+
+
+def test_a_line_admits_only_its_first_to_a_free_key(marks):
+    stand_in_line(marks, "k", "first", "second")
     assert marks.try_acquire("k", owner(), 10) is None
-    assert marks.try_acquire("k", owner(), 10, claimant="other") is None
-    assert marks.try_acquire("k", owner(), 10, claimant="nightly") is not None
+    assert marks.try_acquire("k", owner(), 10, claimant="second") is None
+    assert marks.try_acquire("k", owner(), 10, claimant="first") is not None
 
 
-def test_a_reservation_is_consumed_by_its_grant(marks):
-    marks.swap_mark(reservation_mark("k"), None, "nightly", 10)
-    lease = marks.try_acquire("k", owner(), 10, claimant="nightly")
-    assert marks.read_mark(reservation_mark("k")) is None
+def test_a_grant_takes_its_claimant_out_of_the_line(marks):
+    stand_in_line(marks, "k", "first", "second")
+    lease = marks.try_acquire("k", owner(), 10, claimant="first")
+    assert in_line(marks, "k") == ["second"]
     marks.release(lease)
-    assert marks.try_acquire("k", owner(), 10) is not None
+    assert marks.try_acquire("k", owner(), 10) is None
+    assert marks.try_acquire("k", owner(), 10, claimant="second") is not None
+    assert marks.read_mark(line_mark("k")) is None
 
 
-def test_a_reservation_holds_for_a_limit_too(marks):
-    marks.swap_mark(reservation_mark("k"), None, "nightly", 10)
-    assert marks.try_acquire("k", owner(), 10, limit=2) is None
-    assert marks.try_acquire("k", owner(), 10, limit=2, claimant="nightly") is not None
+def test_a_refused_grant_leaves_the_line_as_it_was(marks):
+    marks.try_acquire("k", owner(), 10)
+    stand_in_line(marks, "k", "first", "second")
+    assert marks.try_acquire("k", owner(), 10, claimant="first") is None  # still held
+    assert in_line(marks, "k") == ["first", "second"]
+
+
+def test_a_semaphore_admits_as_many_of_the_line_as_it_has_free_slots(marks):
+    marks.try_acquire("k", owner(), 10, limit=3)
+    stand_in_line(marks, "k", "a", "b", "c")
+    assert marks.try_acquire("k", owner(), 10, limit=3, claimant="c") is None
+    assert marks.try_acquire("k", owner(), 10, limit=3, claimant="b") is not None
+    assert in_line(marks, "k") == ["a", "c"]
+    assert marks.try_acquire("k", owner(), 10, limit=3, claimant="c") is None
+    assert marks.try_acquire("k", owner(), 10, limit=3, claimant="a") is not None
+
+
+def test_a_newcomer_gets_a_slot_only_when_there_are_more_slots_than_waiters(marks):
+    stand_in_line(marks, "k", "a")
     assert marks.try_acquire("k", owner(), 10, limit=2) is not None
+    assert marks.try_acquire("k", owner(), 10, limit=2) is None
+    assert in_line(marks, "k") == ["a"]
 
 
-def test_an_expired_reservation_no_longer_refuses(marks, backend_case):
-    marks.swap_mark(reservation_mark("k"), None, "nightly", backend_case.short_ttl)
+def test_an_expired_line_no_longer_refuses(marks, backend_case):
+    stand_in_line(marks, "k", "gone", ttl=backend_case.short_ttl)
     time.sleep(backend_case.short_ttl * 2.5)
     assert marks.try_acquire("k", owner(), 10) is not None
+
+
+def test_wait_does_not_return_for_a_free_key_while_another_is_first_in_line(marks):
+    stand_in_line(marks, "k", "first")
+    started = time.monotonic()
+    marks.wait("k", timeout=0.5, claimant="second")
+    assert time.monotonic() - started >= 0.45
+
+
+def test_wait_returns_at_once_for_the_first_in_line_of_a_free_key(marks):
+    stand_in_line(marks, "k", "first")
+    started = time.monotonic()
+    marks.wait("k", timeout=3, claimant="first")
+    assert time.monotonic() - started < 1.0

@@ -143,18 +143,17 @@ def test_the_lease_is_released_after_a_soft_time_limit(cluster):
 def test_the_main_process_frees_the_lease_of_a_child_killed_by_a_hard_time_limit(cluster):
     with pytest.raises(TimeLimitExceeded):
         ledger_app.overrun_hard.delay("hard").get(timeout=10)
-    # ttl is 2 s; freed by the main process well before it could expire.
-    assert wait_until(lambda: not cluster.holders("hard"), timeout=1.5)
+    # Its lease lasts 30 s: gone long before, the main process released it.
+    assert wait_until(lambda: not cluster.holders("hard"), timeout=10)
 
 
 def test_the_main_process_frees_the_lease_of_a_sigkilled_child(cluster):
-    result = start_holding(ledger_app.hold_skip, "killed", 30, cluster)
+    result = start_holding(ledger_app.hold_long_lease, "killed", 60, cluster)
     [info] = cluster.holders("killed")
-    killed_at = time.monotonic()
     os.kill(info.holder["pid"], signal.SIGKILL)
-    assert wait_until(lambda: not cluster.holders("killed"), timeout=cluster.ttl + 1)
-    freed_after = time.monotonic() - killed_at
-    assert freed_after < cluster.ttl, "expected the worker's main process to release it"
+    # Its lease lasts 30 s: gone long before, the main process released it.
+    freed = wait_until(lambda: not cluster.holders("killed"), timeout=10)
+    assert freed, "expected the worker's main process to release it"
     with pytest.raises(Exception, match="WorkerLost|SIGKILL|exited"):
         result.get(timeout=10)
     ledger_app.hold_skip.delay("killed", 0).get(timeout=10)

@@ -83,12 +83,13 @@ def test_inspect_accepts_the_key_without_its_prefix(store, held):
     assert data["holders"][0]["task_id"] == "task-7"
 
 
-def test_ls_shows_a_pending_rerun_and_a_reservation_beside_the_key(store, held):
+def test_ls_shows_a_pending_rerun_and_the_line_beside_the_key(store, held):
     backend = backend_for_url(store)
     marks.join_rerun(backend, "exclusive:invoice:7", "task-9", "{}", 30)
-    marks.reserve(backend, "exclusive:invoice:7", "nightly-1", 30)
+    marks.take_place(backend, "exclusive:invoice:7", "task-9", 30)
+    marks.take_place(backend, "exclusive:invoice:7", "nightly-1", 30, priority=True)
     rows = json.loads(run(store, "ls", "--json").output)
-    assert rows[0]["marks"] == "rerun:task-9 reserved:nightly-1"
+    assert rows[0]["marks"] == "rerun:task-9 line:nightly-1,task-9"
     assert rows[1]["marks"] == ""
 
 

@@ -23,7 +23,7 @@ import uuid
 import pytest
 import requests
 
-from celery_exclusive.backends.base import reservation_mark
+from celery_exclusive import marks
 from celery_exclusive.backends.consul import (
     MIN_SESSION_TTL,
     ConsulBackend,
@@ -31,6 +31,7 @@ from celery_exclusive.backends.consul import (
     settings_from_url,
     timeout_keyword,
 )
+from celery_exclusive.backends.line import line_mark
 from celery_exclusive.errors import ConfigurationError
 from tests.consul_emulator import ConsulEmulator, EmulatedConsul
 
@@ -414,12 +415,13 @@ def test_emulator_txn_is_all_or_nothing_with_every_error(emulator):
     assert requests.get(f"{base}/v1/kv/{key}", timeout=5).status_code == 404
 
 
-# --- marks and reservations ------------------------------------------------------------
+# --- marks and lines ---------------------------------------------------------------------
 
 
-def _reserve_for(backend: ConsulBackend, key: str, claimant: str, ttl: float = 10) -> str:
-    assert backend.swap_mark(reservation_mark(key), None, claimant, ttl)
-    return reservation_mark(key)
+def _line_for(backend: ConsulBackend, key: str, claimant: str, ttl: float = 10) -> str:
+    """Put ``claimant`` in the line of ``key``; return the line's mark."""
+    marks.take_place(backend, key, claimant, ttl)
+    return line_mark(key)
 
 
 def _since(emulator: ConsulEmulator, before: int) -> list[tuple[str, str]]:
@@ -534,15 +536,15 @@ def test_an_expired_mark_is_replaced_in_place_or_deleted(backends, emulator):
     assert kv not in emulator.state.kv
 
 
-def test_force_release_leaves_the_reservation_alone(backends):
+def test_force_release_leaves_the_line_alone(backends):
     backend = backends()
     backend.try_acquire("k", owner(), 10)
-    mark = _reserve_for(backend, "k", "nightly")
+    _line_for(backend, "k", "nightly")
     assert backend.force_release("k") == 1
-    assert backend.read_mark(mark) == "nightly"
+    assert marks.line_of(backend, "k") == ["nightly"]
 
 
-def test_an_acquire_with_no_reservation_is_one_transaction(backends, emulator):
+def test_an_acquire_with_no_line_is_one_transaction(backends, emulator):
     backend = backends()
     backend.try_acquire("warm-up", owner(), 10)  # opens the session
     before = len(emulator.requests)
@@ -550,30 +552,31 @@ def test_an_acquire_with_no_reservation_is_one_transaction(backends, emulator):
     assert _since(emulator, before) == [("PUT", "/v1/txn")]
 
 
-def test_an_acquire_past_a_reservation_reads_it_and_transacts_again(backends, emulator):
+def test_an_acquire_past_a_line_reads_it_and_transacts_again(backends, emulator):
     backend = backends()
     backend.try_acquire("warm-up", owner(), 10)
-    mark = _reserve_for(backend, "k", "nightly")
+    mark = _line_for(backend, "k", "nightly")
     before = len(emulator.requests)
     assert backend.try_acquire("k", owner(), 10, claimant="nightly") is not None
     mark_path = f"/v1/kv/{backend.settings.root}{mark}"
     assert _since(emulator, before) == [("PUT", "/v1/txn"), ("GET", mark_path), ("PUT", "/v1/txn")]
 
 
-def test_a_semaphore_acquire_reads_the_reservation_with_its_tree(backends, emulator):
+def test_a_semaphore_acquire_reads_the_line_with_its_tree(backends, emulator):
     backend = backends()
     backend.try_acquire("warm-up", owner(), 10)
-    _reserve_for(backend, "k", "nightly")
+    _line_for(backend, "k", "nightly")
     before = len(emulator.requests)
     assert backend.try_acquire("k", owner(), 10, limit=2, claimant="nightly") is not None
     assert [method for method, _ in _since(emulator, before)] == ["GET", "PUT"]
 
 
 @pytest.mark.parametrize("limit", [1, 2])
-def test_a_refusing_reservation_writes_nothing(backends, emulator, limit):
+def test_a_refusing_line_writes_nothing(backends, emulator, limit):
     backend = backends()
     backend.try_acquire("warm-up", owner(), 10)  # opens the session
-    _reserve_for(backend, "k", "nightly")
+    for claimant in ("nightly", "repair"):  # as many waiters as free slots, or more
+        _line_for(backend, "k", claimant)
     index = emulator.state.index
     assert backend.try_acquire("k", owner(), 10, limit=limit) is None
     assert emulator.state.index == index
@@ -581,34 +584,50 @@ def test_a_refusing_reservation_writes_nothing(backends, emulator, limit):
 
 
 @pytest.mark.parametrize("limit, read", [(1, "_read_key"), (2, "_read_tree")])
-def test_a_reservation_changed_between_read_and_grant_refuses_the_grant(
+def test_a_line_changed_between_read_and_grant_refuses_the_grant(
     backends, monkeypatch, limit, read
 ):
     backend, rival = backends(), backends()
-    mark = _reserve_for(backend, "k", "nightly")
+    if limit > 1:
+        rival.try_acquire("k", owner(), 10, limit=limit)  # one slot left
+    _line_for(backend, "k", "nightly")
     _after_first_read(
-        monkeypatch, backend, read, lambda: rival.swap_mark(mark, "nightly", "other", 10)
+        monkeypatch,
+        backend,
+        read,
+        lambda: marks.take_place(rival, "k", "repair", 10, priority=True),
     )
     assert backend.try_acquire("k", owner(), 10, limit=limit, claimant="nightly") is None
-    assert rival.read_mark(mark) == "other"
-    assert rival.try_acquire("k", owner(), 10, limit=limit, claimant="other") is not None
+    assert marks.line_of(rival, "k") == ["repair", "nightly"]
+    assert rival.try_acquire("k", owner(), 10, limit=limit, claimant="repair") is not None
 
 
 @pytest.mark.parametrize("limit", [1, 2])
-def test_an_expired_reservation_is_tidied_by_the_next_grant(backends, emulator, limit):
+def test_an_expired_line_is_tidied_by_the_next_grant(backends, emulator, limit):
     backend = backends()
-    mark = _reserve_for(backend, "k", "nightly", ttl=0.1)
+    mark = _line_for(backend, "k", "nightly", ttl=0.1)
     time.sleep(0.2)
     assert backend.try_acquire("k", owner(), 10, limit=limit) is not None
     assert backend.settings.root + mark not in emulator.state.kv
 
 
-def test_a_reservation_for_the_claimant_survives_a_refused_grant(backends):
+def test_a_place_in_line_survives_a_refused_grant(backends):
     holder, claimant = backends(), backends()
     holder.try_acquire("k", owner(), 10)
-    mark = _reserve_for(holder, "k", "nightly")
+    _line_for(holder, "k", "nightly")
     assert claimant.try_acquire("k", owner(), 10, claimant="nightly") is None  # still held
-    assert claimant.read_mark(mark) == "nightly"
+    assert marks.line_of(claimant, "k") == ["nightly"]
+
+
+def test_a_grant_past_a_longer_line_keeps_the_rest_of_it_in_one_transaction(backends, emulator):
+    backend = backends()
+    backend.try_acquire("warm-up", owner(), 10)
+    for claimant in ("first", "second"):
+        _line_for(backend, "k", claimant)
+    before = len(emulator.requests)
+    assert backend.try_acquire("k", owner(), 10, claimant="first") is not None
+    assert [method for method, _ in _since(emulator, before)] == ["PUT", "GET", "PUT"]
+    assert marks.line_of(backend, "k") == ["second"]
 
 
 def test_emulator_check_not_exists_and_delete_cas_follow_consul(emulator):

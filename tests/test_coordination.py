@@ -1,5 +1,6 @@
-"""Beyond a mutex, on real workers: semaphores, coalesced reruns, priority handoff and
-enqueue-time dedup. Three worker processes (prefork, concurrency 4), Redis store.
+"""Beyond a mutex, on real workers: semaphores, coalesced reruns, priority handoff,
+first-come-first-served waiters and enqueue-time dedup. Three worker processes
+(prefork, concurrency 4), Redis store.
 
 Concurrency 4 leaves every worker a free child while one runs the holder and another
 waits as the pending rerun: a worker whose children are all busy keeps the messages
@@ -16,7 +17,7 @@ import time
 import pytest
 import redis
 
-from celery_exclusive import DuplicateCoalesced
+from celery_exclusive import DuplicateCoalesced, backend_for_url, marks
 from tests.apps import ledger as ledger_app
 from tests.cluster import Stack, start_holding, wait_until
 from tests.workers import read_ledger
@@ -112,18 +113,39 @@ def test_a_priority_caller_gets_the_key_next_despite_ten_requeueing_contenders(c
     assert len(order) == 12
 
 
-def test_a_reservation_lapses_when_its_priority_caller_dies(cluster):
+def test_a_priority_callers_turn_lapses_when_it_dies(cluster):
     start_holding(ledger_app.hold_skip, "report", 30, cluster)
     urgent = ledger_app.nightly.delay("report", 0)
     store = redis.Redis.from_url(cluster.store)
-    assert wait_until(lambda: store.get("exclusive:report:~reserved"), timeout=10)
+    assert wait_until(lambda: store.get("exclusive:report:~line"), timeout=10)
     reserver = next(
         s["pid"]
         for s in map(json.loads, cluster.ledger.lrange("signals", 0, -1))
         if s["task_id"] == urgent.id and s.get("policy") == "priority"
     )
     os.kill(reserver, signal.SIGKILL)
-    assert wait_until(lambda: not store.get("exclusive:report:~reserved"), cluster.ttl + 1)
+    assert wait_until(lambda: not store.get("exclusive:report:~line"), cluster.ttl + 1)
+
+
+# --- first come, first served -----------------------------------------------------------
+
+
+def test_waiters_are_served_in_the_order_they_started_waiting(cluster):
+    holder = start_holding(ledger_app.hold_wait, "queue", 3.0, cluster)
+    store = backend_for_url(cluster.store)
+    waiters = []
+    for _ in range(6):
+        waiter = ledger_app.hold_wait.delay("queue", 0.05)
+        in_line = wait_until(lambda w=waiter: w.id in marks.line_of(store, "exclusive:queue"), 10)
+        assert in_line, "the waiter never stood in line"
+        waiters.append(waiter)
+    # Contenders asking again and again all along must not get in ahead of the line.
+    requeueing = [ledger_app.hold_requeue.delay("queue", 0.05) for _ in range(5)]
+    assert all(w.get(timeout=60) for w in waiters + requeueing)
+    holder.get(timeout=10)
+    order = [e["task_id"] for e in sorted(read_ledger(cluster.ledger), key=lambda e: e["start"])]
+    assert order[:7] == [holder.id] + [w.id for w in waiters]
+    assert len(order) == 12
 
 
 # --- enqueue-time dedup -------------------------------------------------------------------

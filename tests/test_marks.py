@@ -1,10 +1,13 @@
-"""Pending reruns, reservations and enqueue marks, on every store."""
+"""Lines of waiters, pending reruns and enqueue marks, on every store."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
 from celery_exclusive import marks
+from celery_exclusive.backends.line import line_mark
 
 
 @pytest.fixture
@@ -47,10 +50,46 @@ def test_only_the_pending_rerun_can_take_it_and_only_once(store):
     assert marks.join_rerun(store, "k", "later", "a9", 10) == "later"
 
 
-def test_a_reservation_goes_to_the_first_priority_caller(store):
-    assert marks.reserve(store, "k", "nightly", 10) is True
-    assert marks.reserve(store, "k", "other", 10) is False
-    assert marks.reserve(store, "k", "nightly", 10) is True  # renewing it
+def test_waiters_stand_in_line_in_the_order_they_came(store):
+    assert [marks.take_place(store, "k", c, 10) for c in ("a", "b", "c")] == [0, 1, 2]
+    assert marks.line_of(store, "k") == ["a", "b", "c"]
+
+
+def test_renewing_a_place_keeps_it(store):
+    for claimant in ("a", "b"):
+        marks.take_place(store, "k", claimant, 10)
+    assert marks.take_place(store, "k", "a", 10) == 0
+    assert marks.line_of(store, "k") == ["a", "b"]
+
+
+def test_a_priority_caller_goes_behind_earlier_priority_callers_but_ahead_of_the_rest(store):
+    marks.take_place(store, "k", "ordinary", 10)
+    marks.take_place(store, "k", "nightly", 10, priority=True)
+    assert marks.take_place(store, "k", "repair", 10, priority=True) == 1
+    assert marks.line_of(store, "k") == ["nightly", "repair", "ordinary"]
+
+
+def test_an_entry_not_renewed_in_time_is_dropped_by_the_next_change(store):
+    marks.take_place(store, "k", "dead", 0.2)
+    marks.take_place(store, "k", "alive", 10)
+    time.sleep(0.3)
+    assert marks.take_place(store, "k", "later", 10) == 1
+    assert marks.line_of(store, "k") == ["alive", "later"]
+
+
+def test_leaving_the_line_lets_the_next_one_move_up(store):
+    for claimant in ("a", "b"):
+        marks.take_place(store, "k", claimant, 10)
+    marks.leave_line(store, "k", "a")
+    assert marks.line_of(store, "k") == ["b"]
+    marks.leave_line(store, "k", "b")
+    assert store.read_mark(line_mark("k")) is None
+
+
+def test_a_line_lapses_when_all_its_waiters_stop_renewing(store, backend_case):
+    marks.take_place(store, "k", "dead", backend_case.short_ttl)
+    time.sleep(backend_case.short_ttl * 2.5)
+    assert marks.line_of(store, "k") == []
 
 
 def test_an_enqueue_mark_names_the_task_already_queued_until_cleared(store):

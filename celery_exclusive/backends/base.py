@@ -84,9 +84,10 @@ class Backend(abc.ABC):
         ``holder`` is stored beside the lease for ``holders()`` (task id, hostname,
         pid, acquired_at). Returns None when the key is full.
 
-        A live reservation (the mark :func:`reservation_mark` of ``key``) for anyone but
-        ``claimant`` refuses the grant; a reservation for ``claimant`` is consumed by it.
-        The check and the grant are one atomic step, so nobody slips in between.
+        The key's line (the mark :func:`~.line.line_mark` of ``key``) decides who may
+        take a free slot: ``claimant`` only if it stands among the first free entries
+        (see :func:`~.line.admit`), and the grant takes it out of the line. The check
+        and the grant are one atomic step, so nobody slips in ahead of the line.
         """
 
     @abc.abstractmethod
@@ -98,11 +99,12 @@ class Backend(abc.ABC):
         """Free ``lease`` if its owner still holds it. Idempotent; True if it was freed."""
 
     @abc.abstractmethod
-    def wait(self, key: str, timeout: float, reserved: bool = False) -> None:
-        """Block until ``key`` may have a free slot, or ``timeout`` seconds pass.
+    def wait(self, key: str, timeout: float, claimant: Optional[str] = None) -> None:
+        """Block until ``key`` may have a slot free for ``claimant``, or ``timeout`` passes.
 
-        ``reserved``: the caller holds the key's reservation. A store that wakes one
-        waiter per release wakes that caller first.
+        Free for ``claimant``: a slot is free and the key's line does not put anyone
+        ahead of it. A store that wakes one waiter per release wakes the first in line.
+        Returning is a hint, not a grant: the caller tries to acquire next.
         """
 
     @abc.abstractmethod
@@ -148,15 +150,15 @@ class Backend(abc.ABC):
             "store meanwhile."
         )
 
-    #: Whether ``read_mark`` / ``swap_mark`` are implemented (coalesced reruns, priority
-    #: reservations and enqueue-time dedup need them).
+    #: Whether ``read_mark`` / ``swap_mark`` are implemented (lines of waiters, coalesced
+    #: reruns and enqueue-time dedup need them).
     stores_marks: bool = False
 
     def read_mark(self, name: str) -> Optional[str]:
         """The live value of mark ``name``, or None if it is absent or expired.
 
         Marks are small strings with a ttl, kept beside the leases: a pending rerun, a
-        reservation of the next turn, a "queued" flag. Unlike records, anybody may
+        key's line of waiters, a "queued" flag. Unlike records, anybody may
         change them, but only by :meth:`swap_mark`.
         """
         raise NotImplementedError(self._no_marks("read_mark"))
@@ -171,7 +173,8 @@ class Backend(abc.ABC):
     def _no_marks(self, method: str) -> str:
         return (
             f"{type(self).__name__} ({self.safe_url}) does not implement {method}(), which "
-            "the rerun policy, exclusive_priority and exclusive_scope='enqueue' need. "
+            "the wait and rerun policies, exclusive_priority and exclusive_scope='enqueue' "
+            "need. "
             "Use a redis://, sqlite:// or memory:// store for those tasks."
         )
 
@@ -186,11 +189,6 @@ class Backend(abc.ABC):
             "or choose what tasks do meanwhile with exclusive_on_backend_error.",
             self.safe_url,
         )
-
-
-def reservation_mark(key: str) -> str:
-    """The mark that reserves the next grant of ``key`` (see ``try_acquire``)."""
-    return key + ":~reserved"
 
 
 def redact_url(url: str) -> str:

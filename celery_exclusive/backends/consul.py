@@ -22,12 +22,13 @@ Layout for a lease key ``K`` (under the root path):
                 ``cas``/``delete-cas`` on the ModifyIndex read (retried if another
                 writer won in between): two round trips. Clocks of the workers must
                 roughly agree for mark TTLs.
-``K:~reserved`` the reservation mark of ``K``: an acquire guards its grant transaction
-                with it. A limit-1 acquire bets on there being none
-                (``check-not-exists``: one round trip); if there is one it reads the
-                mark and retries with a ``delete-cas`` on its ModifyIndex, which
-                consumes it (claimant, or expired) atomically with the grant: three
-                round trips. A semaphore acquire already reads it with ``K``'s tree.
+``K:~line``     the line of ``K`` (see ``backends/line.py``), a mark: an acquire guards
+                its grant transaction with it. A limit-1 acquire bets on there being
+                none (``check-not-exists``: one round trip); if there is one it reads
+                the mark and retries guarded by its ModifyIndex (a ``cas`` taking the
+                claimant out of the line, or a ``delete-cas`` for its last entry or an
+                expired line), atomically with the grant: three round trips. A
+                semaphore acquire already reads it with ``K``'s tree.
 
 Sessions. A process opens one session, on its first acquire, and renews it once per
 heartbeat for all its leases; a forked child opens its own. The session TTL comes
@@ -71,8 +72,9 @@ import consul
 import requests
 
 from ..errors import ConfigurationError
-from .base import Backend, Lease, LeaseInfo, reservation_mark
+from .base import Backend, Lease, LeaseInfo
 from .limits import check_limit
+from .line import admit, head_of, line_mark
 
 logger = logging.getLogger("celery_exclusive")
 
@@ -455,13 +457,13 @@ class ConsulBackend(Backend):
         retry: bool,
     ) -> Optional[list[_Entry]]:
         """Lock ``K`` (reading it and its subtree back) in a transaction guarded by
-        the reservation mark; None if the key is held, in lock-delay or reserved.
+        the key's line; None if the key is held, in lock-delay or others are in line first.
 
-        The first attempt bets on there being no reservation (``check-not-exists``),
+        The first attempt bets on there being no line (``check-not-exists``),
         so the common acquire is one round trip. Only when that guard alone failed
         is the mark read and the grant retried guarded by what was read.
         """
-        kv, mark_kv = self._kv(key), self._kv(reservation_mark(key))
+        kv, mark_kv = self._kv(key), self._kv(line_mark(key))
         grant = [
             _op("lock", kv, value=record, session=session_id),
             _op("get", kv),
@@ -479,10 +481,10 @@ class ConsulBackend(Backend):
                     return None
                 if failed.op_indexes != {0}:
                     return None  # held by another session, or in its lock-delay
-            guard = _reservation_guard(mark_kv, self._read_key(mark_kv), claimant)
+            guard = _line_guard(mark_kv, self._read_key(mark_kv), claimant, free=1)
             if guard is None:
-                return None  # reserved for someone else
-        return None  # the mark kept changing under us: treat as reserved this time
+                return None  # others are in line first
+        return None  # the line kept changing under us: treat it as not our turn yet
 
     def _reserve(self, key: str, owner: str) -> bool:
         """Claim ``key`` for ``owner`` among this process's leases, before asking Consul.
@@ -528,11 +530,11 @@ class ConsulBackend(Backend):
         """Consul's semaphore recipe: read the tree, then one transaction that locks our
         contender key and CASes ``K/.lock`` with the pruned holders plus us.
 
-        The tree read (a prefix) also returns the reservation mark ``K:~reserved``,
-        so guarding the grant with it costs no extra round trip.
+        The tree read (a prefix) also returns the line ``K:~line``, so guarding the
+        grant with it costs no extra round trip.
         """
         session_id, session_ttl = self._session(ttl)
-        kv, mark_kv = self._kv(key), self._kv(reservation_mark(key))
+        kv, mark_kv = self._kv(key), self._kv(line_mark(key))
         for _ in range(CAS_ATTEMPTS):
             by_key = {entry.key: entry for entry in self._read_tree(kv)[1]}
             mutex = by_key.get(kv)
@@ -543,9 +545,10 @@ class ConsulBackend(Backend):
                 check_limit(key, record["limit"], [slots.limit])
             if len(slots.live) >= record["limit"]:
                 return None
-            reservation_guard = _reservation_guard(mark_kv, by_key.get(mark_kv), claimant)
-            if reservation_guard is None:
-                return None  # reserved for someone else
+            free = record["limit"] - len(slots.live)
+            line_guard = _line_guard(mark_kv, by_key.get(mark_kv), claimant, free)
+            if line_guard is None:
+                return None  # others are in line first
             mutex_guard = (
                 _op("check-not-exists", kv)
                 if mutex is None
@@ -553,7 +556,7 @@ class ConsulBackend(Backend):
             )
             ops = [
                 mutex_guard,
-                reservation_guard,
+                line_guard,
                 _op("lock", f"{kv}/{owner}", value=record, session=session_id),
                 _op(
                     "cas",
@@ -653,13 +656,14 @@ class ConsulBackend(Backend):
             return False
         return True
 
-    def wait(self, key: str, timeout: float, reserved: bool = False) -> None:
-        """A blocking query wakes every waiter on a change, so a reservation's claimant
-        (``reserved``) is woken with the rest, and its grant refuses the others."""
-        kv = self._kv(key)
+    def wait(self, key: str, timeout: float, claimant: Optional[str] = None) -> None:
+        """A blocking query on the key's prefix, which also covers its line ``K:~line``:
+        every waiter wakes on a change and goes back to sleep unless it is first in
+        line and a slot is free."""
+        kv, mark_kv = self._kv(key), self._kv(line_mark(key))
         deadline = time.monotonic() + timeout
         index, entries = self._call(f"waiting on {key!r}", lambda: self._read_tree(kv))
-        while not _has_free_slot(kv, {entry.key: entry for entry in entries}):
+        while not _free_for(kv, mark_kv, {entry.key: entry for entry in entries}, claimant):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
@@ -892,22 +896,32 @@ def _mark_value(entry: Optional[_Entry], now: float) -> Optional[str]:
     return value if expires_at > now else None
 
 
-def _reservation_guard(
-    mark_kv: str, entry: Optional[_Entry], claimant: Optional[str]
+def _line_guard(
+    mark_kv: str, entry: Optional[_Entry], claimant: Optional[str], free: int
 ) -> Optional[dict[str, Any]]:
-    """The transaction operation that pins a grant to the reservation as read, or None
-    when a live reservation for someone else refuses the grant.
+    """The transaction operation that pins a grant to the line as read, or None when
+    the line puts others ahead of ``claimant`` for the ``free`` slots.
 
-    No mark: ``check-not-exists``. A live one for ``claimant``, or an expired one: a
-    ``delete-cas`` on the ModifyIndex read, which consumes (or tidies) it with the
-    grant and fails the grant if anyone changed the mark since the read.
+    No line: ``check-not-exists``. An expired one: a ``delete-cas`` tidying it. A line
+    admitting ``claimant``: a ``cas`` (or, for its last entry, a ``delete-cas``) on
+    the ModifyIndex read, taking the claimant out with the grant, or a
+    ``check-index`` if the claimant was not in it. Each fails the grant if anyone
+    changed the line since the read.
     """
     if entry is None:
         return _op("check-not-exists", mark_kv)
-    reserved_for = _mark_value(entry, time.time())
-    if reserved_for is not None and reserved_for != claimant:
+    line = _mark_value(entry, time.time())
+    if line is None:
+        return _op("delete-cas", mark_kv, index=entry.modify_index)
+    admitted, rest = admit(line, claimant, free)
+    if not admitted:
         return None
-    return _op("delete-cas", mark_kv, index=entry.modify_index)
+    if rest == line:
+        return _op("check-index", mark_kv, index=entry.modify_index)
+    if rest is None:
+        return _op("delete-cas", mark_kv, index=entry.modify_index)
+    value = {"value": rest, "expires_at": entry.record()["expires_at"]}
+    return _op("cas", mark_kv, value=value, index=entry.modify_index)
 
 
 def _held_by(entry: Optional[_Entry], session_id: str, owner: str) -> bool:
@@ -916,12 +930,15 @@ def _held_by(entry: Optional[_Entry], session_id: str, owner: str) -> bool:
     )
 
 
-def _has_free_slot(kv: str, by_key: Mapping[str, _Entry]) -> bool:
+def _free_for(kv: str, mark_kv: str, by_key: Mapping[str, _Entry], claimant: Optional[str]) -> bool:
+    """Whether ``claimant`` would find a free slot and be first in the line."""
     mutex = by_key.get(kv)
     if mutex is not None and mutex.session:
         return False
     slots = _Slots.of(kv, by_key)
-    return not slots.live or len(slots.live) < slots.limit
+    if slots.live and len(slots.live) >= slots.limit:
+        return False
+    return head_of(_mark_value(by_key.get(mark_kv), time.time())) in (None, claimant)
 
 
 _DURATION = re.compile(r"([\d.]+)(ns|us|µs|ms|s|m|h)")

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
-from .base import Backend, Lease, LeaseInfo, reservation_mark
+from .base import Backend, Lease, LeaseInfo
 from .limits import check_limit
+from .line import admit, head_of, line_mark
 
 
 @dataclass
@@ -40,6 +41,21 @@ class _Store:
             del self.marks[name]
             return None
         return value
+
+    def set_mark(self, name: str, value: Optional[str], expires_at: float) -> None:
+        if value is None:
+            self.marks.pop(name, None)
+        else:
+            self.marks[name] = (value, expires_at)
+        self.changed.notify_all()  # a line that moved may let a waiter in
+
+    def free_for(self, key: str, claimant: Optional[str], now: float) -> bool:
+        """Whether ``claimant`` would find a free slot and be first in line."""
+        grants = self.live(key, now)
+        limits = {g.limit for g in grants.values()}
+        if grants and len(grants) >= min(limits):
+            return False
+        return head_of(self.mark(line_mark(key), now)) in (None, claimant)
 
     def live(self, key: str, now: float) -> dict[str, _Grant]:
         grants = self.grants.get(key, {})
@@ -79,11 +95,12 @@ class MemoryBackend(Backend):
             now = time.monotonic()
             grants = store.live(key, now)
             check_limit(key, limit, {g.limit for g in grants.values()})
-            reserved_for = store.mark(reservation_mark(key), now)
-            if len(grants) >= limit or reserved_for not in (None, claimant):
+            line = store.mark(line_mark(key), now)
+            admitted, rest = admit(line, claimant, limit - len(grants))
+            if not admitted:
                 return None
-            if reserved_for is not None:
-                del store.marks[reservation_mark(key)]
+            if rest != line:
+                store.set_mark(line_mark(key), rest, store.marks[line_mark(key)][1])
             token = store.fences[key] = store.fences.get(key, 0) + 1
             store.grants.setdefault(key, {})[owner] = _Grant(
                 token, time.monotonic() + ttl, limit, json.loads(json.dumps(dict(holder or {})))
@@ -114,11 +131,15 @@ class MemoryBackend(Backend):
             store.changed.notify_all()
             return True
 
-    def wait(self, key: str, timeout: float, reserved: bool = False) -> None:
+    def wait(self, key: str, timeout: float, claimant: Optional[str] = None) -> None:
         store = self._store
+        deadline = time.monotonic() + timeout
         with store.changed:
-            if store.live(key, time.monotonic()):
-                store.changed.wait(timeout)
+            while not store.free_for(key, claimant, time.monotonic()):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                store.changed.wait(remaining)
 
     def holders(self, prefix: str = "") -> list[LeaseInfo]:
         store = self._store
@@ -160,8 +181,5 @@ class MemoryBackend(Backend):
             now = time.monotonic()
             if store.mark(name, now) != expected:
                 return False
-            if new is None:
-                store.marks.pop(name, None)
-            else:
-                store.marks[name] = (new, now + ttl)
+            store.set_mark(name, new, now + ttl)
             return True

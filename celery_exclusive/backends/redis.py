@@ -8,12 +8,12 @@ Keys for a lease key ``K`` (already namespaced, e.g. ``exclusive:invoice:7``):
                   ``~limit`` -> the limit the key is held with.
 ``K:~fence``      the fencing counter, INCRed on every grant. It never expires: a
                   counter that restarted at 1 would let an old writer pass a fence.
-``K:~signal``     a short list pushed on release; waiters BLPOP it (Redis wakes them
-                  in the order they started waiting). While a reservation stands,
-                  release pushes ``K:~signal-reserved`` instead, which only its claimant
-                  waits on.
-``K:~reserved``   a mark (a string with PX ttl) reserving the next grant for one
-                  claimant; the acquire script honours and consumes it.
+``K:~signal``     a short list pushed on release when nobody is in line; waiters
+                  BLPOP it. While someone is, release pushes the first in line's own
+                  list ``K:~signal:<claimant>`` instead, which every waiter BLPOPs
+                  beside ``K:~signal``: the release wakes exactly the one it lets in.
+``K:~line``       the key's line (see ``backends/line.py``), a mark; the acquire script
+                  admits only its first entries and takes the claimant out of it.
 ``*:~*``          other marks (pending reruns, enqueue flags): strings with PX ttl.
 ``R:~record``     the value of record ``R`` (``write_record``), a plain string that
                   never expires, written by a script that first checks the lease.
@@ -34,10 +34,10 @@ import redis
 from redis.exceptions import RedisError, ResponseError
 
 from ..errors import ConfigurationError
-from .base import Backend, Lease, LeaseInfo, reservation_mark
+from .base import Backend, Lease, LeaseInfo
+from .line import line_mark
 
 FENCE, HOLDERS, SIGNAL, RECORD = ":~fence", ":~holders", ":~signal", ":~record"
-RESERVED_SIGNAL = ":~signal-reserved"
 #: Every key the store keeps beside a lease (and every mark) contains this.
 MARKER = ":~"
 
@@ -46,20 +46,43 @@ CONNECT_TIMEOUT, SOCKET_TIMEOUT = 2.0, 5.0
 #: A BLPOP never blocks longer than this, so it always returns inside SOCKET_TIMEOUT.
 MAX_BLOCK = SOCKET_TIMEOUT - 1.0
 
-# KEYS: K, K:~fence, K:~holders, K:~reserved   ARGV: owner, ttl_ms, limit, holder JSON,
-# claimant ('' for none). A reservation for anyone but the claimant refuses the grant.
+# KEYS: K, K:~fence, K:~holders, K:~line   ARGV: owner, ttl_ms, limit, holder JSON,
+# claimant ('' for none). The claimant's place in the line (its length if absent) must
+# be below the number of free slots; the grant takes the claimant out of the line.
 _ACQUIRE = """
-local reserved = redis.call('GET', KEYS[4])
-if reserved and reserved ~= ARGV[5] then
-  return false
+local line, position = nil, 0
+local raw = redis.call('GET', KEYS[4])
+if raw then
+  local ok, decoded = pcall(cjson.decode, raw)
+  if ok and type(decoded) == 'table' then
+    line, position = decoded, #decoded
+    for i, entry in ipairs(line) do
+      if entry.id == ARGV[5] then
+        position = i - 1
+        break
+      end
+    end
+  end
+end
+local function leave_line()
+  if line and position < #line then
+    table.remove(line, position + 1)
+    if #line == 0 then
+      redis.call('DEL', KEYS[4])
+    else
+      local pttl = redis.call('PTTL', KEYS[4])
+      redis.call('SET', KEYS[4], cjson.encode(line), 'PX', math.max(pttl, 1))
+    end
+  end
 end
 local limit = tonumber(ARGV[3])
 if limit == 1 then
+  if position > 0 then
+    return false
+  end
   local record = '{"owner":"' .. ARGV[1] .. '","holder":' .. ARGV[4] .. '}'
   if redis.call('SET', KEYS[1], record, 'NX', 'PX', ARGV[2]) then
-    if reserved then
-      redis.call('DEL', KEYS[4])
-    end
+    leave_line()
     return redis.call('INCR', KEYS[2])
   end
   if redis.call('TYPE', KEYS[1]).ok ~= 'string' then
@@ -78,13 +101,11 @@ local held = redis.call('ZCARD', KEYS[1])
 if held > 0 and tonumber(redis.call('HGET', KEYS[3], '~limit')) ~= limit then
   return redis.error_reply('WRONGTYPE limit mismatch')
 end
-if held >= limit then
+if position >= limit - held then
   return false
 end
 redis.call('HSET', KEYS[3], '~limit', limit)
-if reserved then
-  redis.call('DEL', KEYS[4])
-end
+leave_line()
 local token = redis.call('INCR', KEYS[2])
 local ttl = tonumber(ARGV[2])
 redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
@@ -131,8 +152,7 @@ end
 return lost
 """
 
-# KEYS: K, K:~holders, K:~signal, K:~reserved, K:~signal-reserved
-# ARGV: owner, limit, signal_ttl_ms
+# KEYS: K, K:~holders, K:~signal, K:~line   ARGV: owner, limit, signal_ttl_ms
 _RELEASE = """
 local released = 0
 if tonumber(ARGV[2]) == 1 then
@@ -146,16 +166,45 @@ else
   redis.call('HDEL', KEYS[2], ARGV[1])
 end
 if released == 1 then
-  -- While a reservation stands, wake its claimant, not whoever waited first.
+  -- Wake the first in line, whom the acquire script lets in, not whoever waited first.
+  -- Its list's name is built here: the claimant is only known from the line.
   local signal = KEYS[3]
-  if redis.call('EXISTS', KEYS[4]) == 1 then
-    signal = KEYS[5]
+  local raw = redis.call('GET', KEYS[4])
+  if raw then
+    local ok, line = pcall(cjson.decode, raw)
+    if ok and type(line) == 'table' and line[1] and type(line[1].id) == 'string' then
+      signal = KEYS[3] .. ':' .. line[1].id
+    end
   end
   redis.call('RPUSH', signal, 1)
   redis.call('LTRIM', signal, -tonumber(ARGV[2]), -1)
   redis.call('PEXPIRE', signal, ARGV[3])
 end
 return released
+"""
+
+# KEYS: K, K:~holders, K:~line   ARGV: claimant ('' for none)
+# 1 if a slot of K is free and nobody else is first in its line, else 0.
+_FREE_FOR = """
+local kind = redis.call('TYPE', KEYS[1]).ok
+if kind == 'string' then
+  return 0
+elseif kind == 'zset' then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local live = redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf')
+  if live >= tonumber(redis.call('HGET', KEYS[2], '~limit') or 1) then
+    return 0
+  end
+end
+local raw = redis.call('GET', KEYS[3])
+if raw then
+  local ok, line = pcall(cjson.decode, raw)
+  if ok and type(line) == 'table' and line[1] and line[1].id ~= ARGV[1] then
+    return 0
+  end
+end
+return 1
 """
 
 # KEYS: K (the lease key), R:~record   ARGV: owner, limit, value
@@ -241,6 +290,7 @@ class RedisBackend(Backend):
         self._renew = self.client.register_script(_RENEW)
         self._release = self.client.register_script(_RELEASE)
         self._write_record = self.client.register_script(_WRITE_RECORD)
+        self._free_for = self.client.register_script(_FREE_FOR)
         self._swap_mark = self.client.register_script(_SWAP_MARK)
 
     def _call(self, action: str, key: str, fn, *args, **kwargs):
@@ -269,7 +319,7 @@ class RedisBackend(Backend):
             f"acquiring {key!r}",
             key,
             self._acquire,
-            keys=[key, key + FENCE, key + HOLDERS, reservation_mark(key)],
+            keys=[key, key + FENCE, key + HOLDERS, line_mark(key)],
             args=[owner, _ms(ttl), limit, json.dumps(dict(holder or {})), claimant or ""],
         )
         return None if token is None else Lease(key, owner, int(token), ttl, limit)
@@ -294,23 +344,22 @@ class RedisBackend(Backend):
                 f"releasing {key!r}",
                 key,
                 self._release,
-                keys=[
-                    key,
-                    key + HOLDERS,
-                    key + SIGNAL,
-                    reservation_mark(key),
-                    key + RESERVED_SIGNAL,
-                ],
+                keys=[key, key + HOLDERS, key + SIGNAL, line_mark(key)],
                 args=[lease.owner, lease.limit, _ms(max(lease.ttl, 1.0))],
             )
         )
 
-    def wait(self, key: str, timeout: float, reserved: bool = False) -> None:
+    def wait(self, key: str, timeout: float, claimant: Optional[str] = None) -> None:
         # BLPOP takes whole or fractional seconds; 0 would mean "forever".
         block = min(timeout, MAX_BLOCK)
-        signal = key + (RESERVED_SIGNAL if reserved else SIGNAL)
-        if block > 0:
-            self._call(f"waiting on {key!r}", key, self.client.blpop, [signal], block)
+        action = f"waiting on {key!r}"
+        keys = [key, key + HOLDERS, line_mark(key)]
+        if block <= 0 or self._call(action, key, self._free_for, keys=keys, args=[claimant or ""]):
+            return
+        # The first in line is woken on its own list; anyone may be woken on the key's.
+        signals = [] if claimant is None else [f"{key}{SIGNAL}:{claimant}"]
+        signals.append(key + SIGNAL)
+        self._call(action, key, self.client.blpop, signals, block)
 
     def holders(self, prefix: str = "") -> list[LeaseInfo]:
         try:

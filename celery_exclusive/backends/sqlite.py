@@ -18,8 +18,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
-from .base import Backend, Lease, LeaseInfo, reservation_mark
+from .base import Backend, Lease, LeaseInfo
 from .limits import check_limit
+from .line import admit, head_of, line_mark
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS exclusive_leases (
@@ -122,11 +123,16 @@ class SQLiteBackend(Backend):
                 )
             ]
             check_limit(key, limit, limits)
-            reserved_for = _live_mark(conn, reservation_mark(key), now)
-            if len(limits) >= limit or reserved_for not in (None, claimant):
+            line = _live_mark(conn, line_mark(key), now)
+            admitted, rest = admit(line, claimant, limit - len(limits))
+            if not admitted:
                 return None
-            if reserved_for is not None:
-                conn.execute("DELETE FROM exclusive_marks WHERE name = ?", (reservation_mark(key),))
+            if rest is None and line is not None:
+                conn.execute("DELETE FROM exclusive_marks WHERE name = ?", (line_mark(key),))
+            elif rest != line:
+                conn.execute(
+                    "UPDATE exclusive_marks SET value = ? WHERE name = ?", (rest, line_mark(key))
+                )
             (token,) = conn.execute(
                 "INSERT INTO exclusive_fences (key, counter) VALUES (?, 1) "
                 "ON CONFLICT (key) DO UPDATE SET counter = counter + 1 RETURNING counter",
@@ -168,28 +174,29 @@ class SQLiteBackend(Backend):
 
         return self._write(f"releasing {lease.key!r}", release)
 
-    def _live_count(self, key: str) -> int:
+    def _free_for(self, key: str, claimant: Optional[str]) -> bool:
+        """Whether ``claimant`` would find a free slot and be first in line."""
+        now = time.time()
         try:
-            (count,) = (
-                self._connection()
-                .execute(
-                    "SELECT COUNT(*) FROM exclusive_leases WHERE key = ? AND expires_at > ?",
-                    (key, time.time()),
+            conn = self._connection()
+            limits = [
+                r[0]
+                for r in conn.execute(
+                    "SELECT lease_limit FROM exclusive_leases WHERE key = ? AND expires_at > ?",
+                    (key, now),
                 )
-                .fetchone()
-            )
+            ]
+            if limits and len(limits) >= min(limits):
+                return False
+            return head_of(_live_mark(conn, line_mark(key), now)) in (None, claimant)
         except (sqlite3.Error, OSError) as exc:
             raise self.unavailable(f"reading {key!r}", exc) from None
-        return count
 
-    def wait(self, key: str, timeout: float, reserved: bool = False) -> None:
+    def wait(self, key: str, timeout: float, claimant: Optional[str] = None) -> None:
         deadline = time.monotonic() + timeout
-        start = self._live_count(key)
         delay = POLL_MIN
-        while start and time.monotonic() < deadline:
+        while not self._free_for(key, claimant) and time.monotonic() < deadline:
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            if self._live_count(key) < start:
-                return
             delay = min(delay * 2, POLL_MAX)
 
     def holders(self, prefix: str = "") -> list[LeaseInfo]:

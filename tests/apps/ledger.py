@@ -115,9 +115,17 @@ def overrun(self, key: str) -> None:
     time.sleep(5)
 
 
-@app.task(base=ExclusiveTask, bind=True, exclusive_key="{key}", time_limit=1)
+@app.task(
+    base=ExclusiveTask, bind=True, exclusive_key="{key}", time_limit=1, exclusive_lease_ttl=30
+)
 def overrun_hard(self, key: str) -> None:
     time.sleep(10)
+
+
+@app.task(base=ExclusiveTask, bind=True, exclusive_key="{key}", exclusive_lease_ttl=30)
+def hold_long_lease(self, key: str, duration: float = 0.0) -> dict:
+    """A lease far longer than any test waits: if it is gone, someone released it."""
+    return run(self, key, duration)
 
 
 @app.task(base=ExclusiveTask, bind=True, exclusive_key="{key}", exclusive_on_lease_lost="abort")
