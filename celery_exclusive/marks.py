@@ -24,7 +24,7 @@ import time
 from typing import Optional
 
 from .backends import Backend
-from .backends.line import entries_of, line_mark
+from .backends.line import entries_of, ids_of, line_mark
 from .errors import BackendUnavailable
 
 RERUN, QUEUED = ":~rerun", ":~queued"
@@ -92,7 +92,7 @@ def take_place(
         now = time.time()
         entries = [e for e in entries_of(current) if _until(e) > now]
         mine = {"id": claimant, "until": now + grace, "priority": priority}
-        ids = [e["id"] for e in entries]
+        ids = [e["id"] for e in entries]  # of the live entries, not of ``current``
         if claimant in ids:
             entries[ids.index(claimant)] = mine
         elif priority:  # priority entries stay together at the front
@@ -101,8 +101,7 @@ def take_place(
             entries.append(mine)
         return json.dumps(entries)
 
-    line = _swap(backend, name, update, _line_ttl)
-    return [e["id"] for e in entries_of(line)].index(claimant)
+    return ids_of(_swap(backend, name, update, _line_ttl)).index(claimant)
 
 
 def leave_line(backend: Backend, key: str, claimant: str) -> None:
@@ -124,7 +123,7 @@ def leave_line(backend: Backend, key: str, claimant: str) -> None:
 
 def line_of(backend: Backend, key: str) -> list[str]:
     """The ids in the line of ``key``, first first (for the CLI and messages)."""
-    return [e["id"] for e in entries_of(backend.read_mark(line_mark(key)))]
+    return ids_of(backend.read_mark(line_mark(key)))
 
 
 def _line_ttl(line: Optional[str]) -> float:

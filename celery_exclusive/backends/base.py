@@ -174,8 +174,7 @@ class Backend(abc.ABC):
         return (
             f"{type(self).__name__} ({self.safe_url}) does not implement {method}(), which "
             "the wait and rerun policies, exclusive_priority and exclusive_scope='enqueue' "
-            "need. "
-            "Use a redis://, sqlite:// or memory:// store for those tasks."
+            "need. Use a redis://, sqlite:// or memory:// store for those tasks."
         )
 
     def close(self) -> None:  # noqa: B027 - optional hook, most backends have nothing to do

@@ -74,7 +74,7 @@ import requests
 from ..errors import ConfigurationError
 from .base import Backend, Lease, LeaseInfo
 from .limits import check_limit
-from .line import admit, head_of, line_mark
+from .line import admit, first_in_line, line_mark
 
 logger = logging.getLogger("celery_exclusive")
 
@@ -938,7 +938,7 @@ def _free_for(kv: str, mark_kv: str, by_key: Mapping[str, _Entry], claimant: Opt
     slots = _Slots.of(kv, by_key)
     if slots.live and len(slots.live) >= slots.limit:
         return False
-    return head_of(_mark_value(by_key.get(mark_kv), time.time())) in (None, claimant)
+    return first_in_line(_mark_value(by_key.get(mark_kv), time.time()), claimant)
 
 
 _DURATION = re.compile(r"([\d.]+)(ns|us|µs|ms|s|m|h)")

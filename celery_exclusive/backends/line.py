@@ -63,7 +63,12 @@ def admit(line: Optional[str], claimant: Optional[str], free: int) -> tuple[bool
     return True, json.dumps(rest) if rest else None
 
 
-def head_of(line: Optional[str]) -> Optional[str]:
-    """The id of the first entry of the line, if any."""
-    entries = entries_of(line)
-    return entries[0]["id"] if entries else None
+def ids_of(line: Optional[str]) -> list[str]:
+    """The ids in a line's value, first first."""
+    return [entry["id"] for entry in entries_of(line)]
+
+
+def first_in_line(line: Optional[str], claimant: Optional[str]) -> bool:
+    """Whether nobody but ``claimant`` stands first in the line (an empty line: nobody)."""
+    ids = ids_of(line)
+    return not ids or ids[0] == claimant

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 from .base import Backend, Lease, LeaseInfo
 from .limits import check_limit
-from .line import admit, head_of, line_mark
+from .line import admit, first_in_line, line_mark
 
 
 @dataclass
@@ -55,7 +55,7 @@ class _Store:
         limits = {g.limit for g in grants.values()}
         if grants and len(grants) >= min(limits):
             return False
-        return head_of(self.mark(line_mark(key), now)) in (None, claimant)
+        return first_in_line(self.mark(line_mark(key), now), claimant)
 
     def live(self, key: str, now: float) -> dict[str, _Grant]:
         grants = self.grants.get(key, {})

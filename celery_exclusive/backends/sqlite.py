@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 from .base import Backend, Lease, LeaseInfo
 from .limits import check_limit
-from .line import admit, head_of, line_mark
+from .line import admit, first_in_line, line_mark
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS exclusive_leases (
@@ -127,12 +127,14 @@ class SQLiteBackend(Backend):
             admitted, rest = admit(line, claimant, limit - len(limits))
             if not admitted:
                 return None
-            if rest is None and line is not None:
-                conn.execute("DELETE FROM exclusive_marks WHERE name = ?", (line_mark(key),))
-            elif rest != line:
-                conn.execute(
-                    "UPDATE exclusive_marks SET value = ? WHERE name = ?", (rest, line_mark(key))
-                )
+            if rest != line:  # the grant took the claimant out of the line
+                if rest is None:
+                    conn.execute("DELETE FROM exclusive_marks WHERE name = ?", (line_mark(key),))
+                else:
+                    conn.execute(
+                        "UPDATE exclusive_marks SET value = ? WHERE name = ?",
+                        (rest, line_mark(key)),
+                    )
             (token,) = conn.execute(
                 "INSERT INTO exclusive_fences (key, counter) VALUES (?, 1) "
                 "ON CONFLICT (key) DO UPDATE SET counter = counter + 1 RETURNING counter",
@@ -188,7 +190,7 @@ class SQLiteBackend(Backend):
             ]
             if limits and len(limits) >= min(limits):
                 return False
-            return head_of(_live_mark(conn, line_mark(key), now)) in (None, claimant)
+            return first_in_line(_live_mark(conn, line_mark(key), now), claimant)
         except (sqlite3.Error, OSError) as exc:
             raise self.unavailable(f"reading {key!r}", exc) from None
 
