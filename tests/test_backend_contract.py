@@ -367,3 +367,27 @@ def test_wait_returns_at_once_for_the_first_in_line_of_a_free_key(marks):
     started = time.monotonic()
     marks.wait("k", timeout=3, claimant="first")
     assert time.monotonic() - started < 1.0
+
+
+def test_a_release_wakes_the_first_in_line_and_nobody_behind_it(marks):
+    lease = marks.try_acquire("k", owner(), 10)
+    stand_in_line(marks, "k", "first", "second")
+    waited = {}
+
+    def wait(claimant: str, timeout: float) -> None:
+        started = time.monotonic()
+        marks.wait("k", timeout=timeout, claimant=claimant)
+        waited[claimant] = time.monotonic() - started
+
+    # The one behind starts waiting first: a store waking whoever waited longest fails.
+    behind = threading.Thread(target=wait, args=("second", 2.0))
+    behind.start()
+    time.sleep(0.2)
+    first = threading.Thread(target=wait, args=("first", 4.0))
+    first.start()
+    time.sleep(0.3)
+    marks.release(lease)
+    first.join()
+    behind.join()
+    assert waited["first"] < 2.5, "the release did not wake the first in line"
+    assert waited["second"] >= 1.9, "the release woke a waiter behind the first"

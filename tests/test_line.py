@@ -15,6 +15,7 @@ import pytest
 
 from celery_exclusive import marks, policies
 from celery_exclusive.backends import _load
+from celery_exclusive.backends.memory import MemoryBackend
 from celery_exclusive.config import Settings
 from celery_exclusive.lease import acquire
 from tests.cluster import wait_until
@@ -117,3 +118,57 @@ def test_a_waiter_that_gives_up_leaves_the_line(backend_case, backend):
     acquire(backend, KEY, settings.lease_ttl)
     assert policies.wait_for(settings, backend, KEY, "test", "impatient") is None
     assert marks.line_of(backend, KEY) == []
+
+
+class LockDelayedStore(MemoryBackend):
+    """A stand-in, labelled as such: a store whose wait() says the key is free while
+    every grant is refused, as Consul answers during a lock delay. The Consul emulator
+    answers too slowly (tens of ms a request) to show a waiter spinning on it."""
+
+    grants_asked = 0
+
+    def try_acquire(self, *args, **kwargs):
+        self.grants_asked += 1
+        return None
+
+
+def test_a_waiter_let_through_by_wait_but_refused_the_grant_backs_off():
+    store = LockDelayedStore(f"memory://{uuid.uuid4().hex}")
+    settings = Settings(backend_url=store.url, lease_ttl=30.0, wait_timeout=1.0)
+    assert policies.wait_for(settings, store, KEY, "test", "t-1") is None
+    # Backing off from 10 ms, doubling: a handful of attempts in the second, not a spin.
+    assert store.grants_asked < 50
+
+
+def test_a_requeued_priority_caller_keeps_its_turn_while_its_message_is_away(backend_case, backend):
+    settings = Settings(
+        backend_url=backend_case.url,
+        lease_ttl=3.0,
+        wait_timeout=0.3,
+        priority=True,
+        requeue_delay=0.05,
+        requeue_max_delay=0.1,
+    )
+    holder = acquire(backend, KEY, settings.lease_ttl)
+    outcome = policies.claim(settings, backend, KEY, "test", "nightly-1")
+    assert isinstance(outcome, policies.Requeue)
+    holder.release()
+    assert backend.try_acquire(KEY, uuid.uuid4().hex, settings.lease_ttl) is None
+    back = policies.claim(settings, backend, KEY, "test", "nightly-1")
+    assert isinstance(back, policies.Run)
+    back.lease.release()
+
+
+def test_the_pending_rerun_waits_in_the_line(backend_case, backend):
+    settings = Settings(backend_url=backend_case.url, lease_ttl=3.0, on_duplicate="rerun")
+    holder = acquire(backend, KEY, settings.lease_ttl)
+    claimed = []
+    pending = threading.Thread(
+        target=lambda: claimed.append(policies.claim(settings, backend, KEY, "test", "rerun-1"))
+    )
+    pending.start()
+    assert wait_until(lambda: marks.line_of(backend, KEY) == ["rerun-1"], timeout=10)
+    holder.release()
+    pending.join(timeout=30)
+    assert isinstance(claimed[0], policies.Run)
+    claimed[0].lease.release()
