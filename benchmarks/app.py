@@ -5,6 +5,8 @@ overhead benchmark compares them in one worker, with one broker and one store.
 
 BENCH_BROKER   broker and result backend URL
 BENCH_STORE    lock store URL (ours, celery-once's and celery-singleton's)
+BENCH_STORE_POSTGRESQL, BENCH_STORE_ETCD, BENCH_STORE_MONGODB
+               the other stores ExclusiveTask is measured on (its no-op per store)
 BENCH_LEDGER   Redis URL where tasks record timestamps for the latency benchmarks
 BENCH_TTL      lease ttl in seconds
 BENCH_RECORD_RELEASES  if set, every release of a bench.hold_* lease is timestamped
@@ -75,7 +77,30 @@ def singleton(i: int) -> None:
     return None
 
 
-NOOPS = {"plain": plain, "exclusive": exclusive, "celery-once": once, "celery-singleton": singleton}
+def _exclusive_on(store: str):
+    """The same no-op as ``exclusive``, its leases in another store."""
+
+    @app.task(
+        name=f"bench.exclusive_{store}",
+        base=ExclusiveTask,
+        exclusive_backend_url=os.environ.get(f"BENCH_STORE_{store.upper()}", "memory://"),
+    )
+    def noop(i: int) -> None:
+        return None
+
+    return noop
+
+
+#: Stores ExclusiveTask is measured on besides BENCH_STORE (Redis).
+OTHER_STORES = ("postgresql", "etcd", "mongodb")
+
+NOOPS = {
+    "plain": plain,
+    "exclusive": exclusive,
+    **{f"exclusive ({store})": _exclusive_on(store) for store in OTHER_STORES},
+    "celery-once": once,
+    "celery-singleton": singleton,
+}
 
 
 # -- handoff, failover and scale: runs that leave timestamps in the ledger --------------

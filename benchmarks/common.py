@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 
 import redis
 
-from tests.servers import RedisServer
+from tests.servers import EtcdServer, PostgresServer, RedisServer
 from tests.workers import Worker
 
 
@@ -27,6 +27,27 @@ def redis_server() -> Iterator[RedisServer]:
         yield server
     finally:
         server.cleanup()
+
+
+@contextlib.contextmanager
+def other_stores() -> Iterator[dict[str, str]]:
+    """The other lease stores, each on a server of the benchmark's own: store -> URL.
+
+    PostgreSQL and etcd are Debian's servers; MongoDB only when MONGODB_URL names a
+    real server (its CI stand-in runs inside the test process: its speed says nothing
+    about MongoDB's).
+    """
+    postgres, etcd = PostgresServer(), EtcdServer()
+    try:
+        postgres.start()
+        etcd.start()
+        urls = {"postgresql": postgres.url, "etcd": etcd.url}
+        if os.environ.get("MONGODB_URL"):
+            urls["mongodb"] = os.environ["MONGODB_URL"].rstrip("/") + "/bench"
+        yield urls
+    finally:
+        postgres.cleanup()
+        etcd.cleanup()
 
 
 def bench_env(broker: str, store: str, ledger: str, ttl: float = 30.0, **extra) -> dict:

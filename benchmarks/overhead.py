@@ -1,6 +1,7 @@
 """Per-task overhead: N no-op tasks through one real solo worker, per base class.
 
-Plain ``Task``, ``ExclusiveTask``, celery-once's ``QueueOnce`` and celery-singleton's
+Plain ``Task``, ``ExclusiveTask`` (on Redis, and on PostgreSQL, etcd and, with
+MONGODB_URL, MongoDB), celery-once's ``QueueOnce`` and celery-singleton's
 ``Singleton`` run interleaved in the same worker (rounds in rotating order, so drift in
 machine load hits all of them alike). A batch is timed from the first ``apply_async``
 to the last result being stored: the peers lock in the producer and unlock in the
@@ -14,9 +15,19 @@ import itertools
 import time
 
 from benchmarks import app as bench
-from benchmarks.common import bench_env, configure_client, median, redis_server, running, worker
+from benchmarks.common import (
+    bench_env,
+    configure_client,
+    median,
+    other_stores,
+    redis_server,
+    running,
+    worker,
+)
 
-VARIANTS = ("plain", "exclusive", "celery-once", "celery-singleton")
+#: Base classes, and ExclusiveTask on each store ("exclusive" is on Redis).
+VARIANTS = ("plain", "exclusive", *(f"exclusive ({s})" for s in bench.OTHER_STORES))
+VARIANTS += ("celery-once", "celery-singleton")
 _calls = itertools.count()
 
 
@@ -33,22 +44,25 @@ def batch(task, n: int) -> float:
 
 
 def run(n: int = 400, rounds: int = 7, profile: str | None = None) -> dict:
-    with redis_server() as server:
+    with redis_server() as server, other_stores() as stores:
         env = bench_env(server.url_for_db(0), server.url_for_db(1), server.url_for_db(2))
+        env.update({f"BENCH_STORE_{store.upper()}": url for store, url in stores.items()})
+        variants = [v for v in VARIANTS if "(" not in v or v[11:-1] in stores]
         if profile:
             env["BENCH_PROFILE"] = profile
         configure_client(bench.app, env)
         with running(worker(env, "overhead")) as (w,):
-            for name in VARIANTS:  # warm-up: connections, script loading, imports
+            for name in variants:  # warm-up: connections, script loading, imports
                 batch(bench.NOOPS[name], 50)
-            times: dict[str, list[float]] = {name: [] for name in VARIANTS}
-            ratios: dict[str, list[float]] = {name: [] for name in VARIANTS}
+            times: dict[str, list[float]] = {name: [] for name in variants}
+            ratios: dict[str, list[float]] = {name: [] for name in variants}
             for r in range(rounds):
-                order = VARIANTS[r % 4 :] + VARIANTS[: r % 4]
+                shift = r % len(variants)
+                order = variants[shift:] + variants[:shift]
                 if r % 2:
                     order = order[::-1]
                 this_round = {name: batch(bench.NOOPS[name], n) for name in order}
-                for name in VARIANTS:
+                for name in variants:
                     times[name].append(this_round[name])
                     ratios[name].append(this_round[name] / this_round["plain"])
             if profile:

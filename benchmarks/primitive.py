@@ -2,7 +2,9 @@
 
 Our RedisBackend (Lua acquire with a fencing counter and holder record, Lua
 owner-checked release that also wakes waiters) against redis-py's ``Lock`` and
-python-redis-lock, and the floor: two raw round trips, ``SET NX PX`` then ``DEL``.
+python-redis-lock, and the floor: two raw round trips, ``SET NX PX`` then ``DEL``;
+then our other stores, each on a server of its own (PostgreSQL and etcd from
+Debian's packages; MongoDB only when MONGODB_URL is set).
 Variants alternate over several rounds; the median round is reported.
 """
 
@@ -14,7 +16,8 @@ import uuid
 import redis
 import redis_lock
 
-from benchmarks.common import median, redis_server
+from benchmarks.common import median, other_stores, redis_server
+from celery_exclusive.backends import _load
 from celery_exclusive.backends.redis import RedisBackend
 
 
@@ -27,6 +30,25 @@ def _ours(client: redis.Redis):
         backend.release(lease)
 
     return pair
+
+
+def _store(url: str):
+    backend = _load(url)
+    holder = {"task": "bench.task", "task_id": str(uuid.uuid4()), "hostname": "h", "pid": 1}
+
+    def pair() -> None:
+        lease = backend.try_acquire("exclusive:bench", uuid.uuid4().hex, 30.0, 1, holder)
+        backend.release(lease)
+
+    return pair
+
+
+#: Our other stores' backend classes, by store.
+STORE_NAMES = {
+    "postgresql": "PostgreSQLBackend",
+    "etcd": "EtcdBackend",
+    "mongodb": "MongoDBBackend",
+}
 
 
 def _redis_py(client: redis.Redis):
@@ -64,9 +86,11 @@ VARIANTS = {
 
 
 def run(pairs: int = 3000, rounds: int = 5) -> dict:
-    with redis_server() as server:
+    with redis_server() as server, other_stores() as stores:
         client = server.client()
         functions = {name: make(client) for name, make in VARIANTS.items()}
+        for store, url in stores.items():
+            functions[f"celery-exclusive {STORE_NAMES[store]}"] = _store(url)
         for fn in functions.values():
             for _ in range(200):  # warm-up: connection, script loading
                 fn()

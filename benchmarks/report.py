@@ -17,7 +17,8 @@ def markdown(machine: dict, load: dict, r: dict) -> str:
         o = r["overhead"]
         lines += [
             f"**Per-task overhead** — {o['n']} no-op tasks per batch through one solo worker "
-            f"(Redis broker and results), {o['rounds']} interleaved rounds, median:",
+            f"(Redis broker and results), {o['rounds']} interleaved rounds, median; "
+            "`exclusive` keeps its leases in Redis, `exclusive (store)` in that store:",
             "",
             "| base class | ms per task | time vs plain `Task` |",
             "|---|---:|---:|",
@@ -79,7 +80,39 @@ def markdown(machine: dict, load: dict, r: dict) -> str:
         for processes, row in table.items():
             lines.append(f"| {processes} | " + " | ".join(f"{row[c]:.0f}" for c in columns) + " |")
         lines.append("")
+    if "beat" in r:
+        lines += beat_table(r["beat"])
     return "\n".join(lines)
+
+
+def beat_table(b: dict) -> list[str]:
+    ttl, intervals = b["ttl"], b["intervals"]
+    bounds = " / ".join(f"{ttl + ttl / 3 + s:g}" for s in intervals.values())
+    lines = [
+        f"**Beat failover** — three `celery beat` processes and a worker; entries every "
+        f"{', '.join(f'{s} s' for s in intervals.values())} (and a one-off where the "
+        "scheduler has one); the leader stopped right after it sent the 15 s entry, by "
+        f"{', '.join(b['signals'])}, a beat started in its place each time; lease ttl "
+        f"(RedBeat: lock timeout) {ttl:g} s, loop interval 1 s; {b['runs']} runs:",
+        "",
+        "| scheduler | sends | sent twice | one-off sent | takeover after SIGKILL "
+        "(median, max) | after SIGTERM | worst gap per entry (bound ttl + ttl/3 + interval) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for side, x in b["sides"].items():
+        one_off = "—" if x["one_off_sends"] is None else ", ".join(map(str, x["one_off_sends"]))
+        gaps = " / ".join(f"{x['worst_gap_s'][e]:.1f}" for e in intervals)
+        lines.append(
+            f"| {side} | {x['sends']} | {x['sent_twice']} | {one_off} "
+            f"| {_pair(x['sigkill_takeover_s'])} | {_pair(x['sigterm_takeover_s'])} "
+            f"| {gaps} s ({bounds}) |"
+        )
+    lines.append("")
+    return lines
+
+
+def _pair(values) -> str:
+    return "—" if values is None else f"{values[0]:.2f} s, {values[1]:.2f} s"
 
 
 def chart(r: dict, path: Path) -> None:
@@ -92,7 +125,9 @@ def chart(r: dict, path: Path) -> None:
     if "overhead" in r:
         ratios = r["overhead"]["ratio"]
         ax = axes[0][0]
-        ax.bar(list(ratios), list(ratios.values()), color=["grey", "C0", "C1", "C2"])
+        colours = ["grey"] + [f"C{i}" for i in range(len(ratios) - 1)]
+        ax.bar(list(ratios), list(ratios.values()), color=colours)
+        ax.tick_params(axis="x", labelrotation=30)
         ax.axhline(1.0, color="black", linewidth=0.5)
         ax.set_title("Time for N no-op tasks, relative to plain Task")
         ax.set_ylim(0.9, max(1.3, max(ratios.values()) + 0.05))

@@ -1,6 +1,7 @@
 """Run every benchmark and write benchmarks/results/RESULTS.md and benchmarks.png.
 
-    python -m benchmarks                   # all of them, about 5 minutes on 2 cores
+    python -m benchmarks                   # all but beat, about 5 minutes on 2 cores
+    python -m benchmarks beat              # beat failover against celery-redbeat, ~9 min
     python -m benchmarks overhead handoff  # some of them
     python -m benchmarks --quick           # smaller samples, to check the harness
 
@@ -30,13 +31,17 @@ FULL = {
     "handoff": {"samples": {"wait": 100, "requeue": 15}},
     "failover": {"trials": 3},
     "scale": {"n": 400},
+    "beat": {"runs": 3},
 }
+#: Run only when named: long, and against other peers than the rest.
+ONLY_WHEN_NAMED = {"beat"}
 QUICK = {
     "overhead": {"n": 100, "rounds": 2},
     "primitive": {"pairs": 300, "rounds": 2},
     "handoff": {"samples": {"wait": 5, "requeue": 2}},
     "failover": {"trials": 1},
     "scale": {"n": 60, "processes": [1, 2], "key_counts": [1, 100]},
+    "beat": {"runs": 1, "signals": ["SIGKILL", "SIGTERM"]},
 }
 
 
@@ -46,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="small samples")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
-    names = args.only or list(plan)
+    names = args.only or [name for name in plan if name not in ONLY_WHEN_NAMED]
     load = {"start": loadavg()}
     results = {}
     for name in names:

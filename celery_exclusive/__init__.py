@@ -16,7 +16,7 @@ from .errors import (
     ExclusiveKeyError,
     LeaseLost,
 )
-from .lease import HeldLease
+from .lease import HeldLease, UnlockedLease
 from .signals import duplicate_detected, lease_acquired, lease_lost, lease_released
 from .task import ExclusiveTask
 
@@ -36,6 +36,7 @@ __all__ = [
     "LeaseInfo",
     "LeaseLost",
     "Settings",
+    "UnlockedLease",
     "backend_for_url",
     "duplicate_detected",
     "lease_acquired",

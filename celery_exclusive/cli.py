@@ -7,15 +7,33 @@ and scripts name it: ``celery-exclusive --backend redis://... ls``.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
-from typing import Any, Optional
+from collections.abc import Callable
+from typing import Any, Optional, TypeVar
 
 import click
 
-from . import config, marks
+from . import config, display, marks
 from .backends import Backend, LeaseInfo, backend_for_url
 from .errors import ExclusiveError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def one_line_errors(command: F) -> F:
+    """Show an :class:`ExclusiveError` (a store that does not answer, a client library
+    that is not installed, a bad setting) as one line, never a traceback."""
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except ExclusiveError as exc:
+            raise click.ClickException(str(exc)) from None
+
+    return run  # type: ignore[return-value]
 
 
 class Target:
@@ -69,13 +87,6 @@ def exclusive(ctx: click.Context, backend_url: Optional[str], key_prefix: Option
         raise click.ClickException(str(exc)) from None
 
 
-def _holders(target: Target, prefix: str) -> list[LeaseInfo]:
-    try:
-        return target.backend.holders(prefix)
-    except ExclusiveError as exc:
-        raise click.ClickException(str(exc)) from None
-
-
 def _marks(backend: Backend, key: str) -> str:
     """Pending rerun, line of waiters and enqueue mark of ``key``, as one short cell."""
     if not backend.stores_marks:
@@ -83,17 +94,17 @@ def _marks(backend: Backend, key: str) -> str:
     found = {
         "rerun": marks.pending_rerun(backend, key),
         "line": ",".join(marks.line_of(backend, key)),
-        "queued": backend.read_mark(key + marks.QUEUED),
+        "queued": backend.read_mark(key, marks.QUEUED),
     }
     return " ".join(f"{name}:{value}" for name, value in found.items() if value)
 
 
-def _describe(backend: Backend, infos: list[LeaseInfo]) -> list[dict]:
+def _describe(backend: Backend, infos: list[LeaseInfo]) -> list[dict[str, Any]]:
     marks_of = {key: _marks(backend, key) for key in {info.key for info in infos}}
     return [{**_as_dict(info), "marks": marks_of[info.key]} for info in infos]
 
 
-def _as_dict(info: LeaseInfo) -> dict:
+def _as_dict(info: LeaseInfo) -> dict[str, Any]:
     holder = dict(info.holder)
     return {
         "key": info.key,
@@ -107,97 +118,121 @@ def _as_dict(info: LeaseInfo) -> dict:
     }
 
 
-COLUMNS = ("key", "task_id", "hostname", "pid", "age", "expires_in", "fencing_token", "marks")
+#: The table's columns: heading, and how a row's value is shown.
+COLUMNS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
+    ("KEY", lambda row: display.one_line(row["key"])),
+    ("TASK", lambda row: _cell(row["task"])),
+    ("TASK ID", lambda row: _cell(row["task_id"])),
+    ("HOST", lambda row: _cell(row["hostname"])),
+    ("PID", lambda row: _cell(row["pid"])),
+    ("ACQUIRED", lambda row: display.ago(row["age"])),
+    ("EXPIRES", lambda row: display.within(row["expires_in"])),
+    ("TOKEN", lambda row: _cell(row["fencing_token"])),
+    ("MARKS", lambda row: display.one_line(row["marks"], limit=None)),
+)
 
 
-def _table(rows: list[dict]) -> str:
+def _cell(value: Any) -> str:
+    return "-" if value is None or value == "" else display.one_line(value)
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    """One line per lease, whatever its key holds (newlines and control characters are
+    escaped, long keys cut): a table for people; ``--json`` has the exact values."""
     if not rows:
         return "no leases held"
-
-    def cell(value: Any) -> str:
-        if value is None:
-            return "-"
-        return f"{value:.1f}s" if isinstance(value, float) else str(value)
-
-    cells = [[cell(row[c]) for c in COLUMNS] for row in rows]
-    header = [c.replace("_", " ") for c in COLUMNS]
-    widths = [max(len(r[i]) for r in [header, *cells]) for i in range(len(COLUMNS))]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells]
-    return "\n".join(lines)
+    header = [heading for heading, _ in COLUMNS]
+    cells = [[show(row) for _, show in COLUMNS] for row in rows]
+    widths = [max(display.width(line[i]) for line in [header, *cells]) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(display.pad(value, w) for value, w in zip(line, widths)).rstrip()
+        for line in [header, *cells]
+    )
 
 
 @exclusive.command(name="ls")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document instead of a table.")
 @click.pass_obj
+@one_line_errors
 def ls(target: Target, as_json: bool) -> None:
-    """List every held lease: key, holder, age, time left, fencing token, and the key's
-    pending rerun, line of waiters and enqueue mark."""
-    rows = _describe(target.backend, _holders(target, target.key_prefix))
+    """List every held lease: key, task, holder, when it was taken, when it expires,
+    fencing token, and the key's pending rerun, line of waiters and enqueue mark."""
+    backend = target.backend
+    rows = _describe(backend, backend.holders(target.key_prefix))
     click.echo(json.dumps(rows, indent=2) if as_json else _table(rows))
 
 
 @exclusive.command()
 @click.argument("key")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="The exact values, as JSON.")
 @click.pass_obj
+@one_line_errors
 def inspect(target: Target, key: str, as_json: bool) -> None:
     """Show who holds KEY (with or without the key prefix), and its marks."""
     full = target.full_key(key)
-    try:
-        infos = target.backend.holders_of(full)
-        key_marks = _marks(target.backend, full)
-    except ExclusiveError as exc:
-        raise click.ClickException(str(exc)) from None
+    backend = target.backend
+    infos = backend.holders_of(full)
+    key_marks = _marks(backend, full)
     rows = [{**_as_dict(info), "holder": dict(info.holder)} for info in infos]
     if as_json:
         click.echo(json.dumps({"key": full, "holders": rows, "marks": key_marks}, indent=2))
         return
-    click.echo(f"{full}: held by {len(rows)}" if rows else f"{full}: free")
+    shown = display.one_line(full, limit=None)
+    click.echo(f"{shown}: held by {len(rows)}" if rows else f"{shown}: free")
     for row in rows:
         for name, value in row["holder"].items():
-            click.echo(f"  {name}: {value}")
-        click.echo(f"  expires in: {row['expires_in']}s  fencing token: {row['fencing_token']}")
+            click.echo(f"  {name}: {_holder_field(name, value)}")
+        click.echo(
+            f"  expires: {display.within(row['expires_in'])}  "
+            f"fencing token: {_cell(row['fencing_token'])}"
+        )
     if key_marks:
-        click.echo(f"  marks: {key_marks}")
+        click.echo(f"  marks: {display.one_line(key_marks, limit=None)}")
+
+
+def _holder_field(name: str, value: Any) -> str:
+    """A holder record's field for people: ``*_at`` epoch times as local time and age."""
+    if name.endswith("_at") and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f"{display.local_time(value)} ({display.ago(max(0.0, time.time() - value))})"
+    return display.one_line(value, limit=None)
 
 
 @exclusive.command()
 @click.argument("key")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @click.pass_obj
+@one_line_errors
 def release(target: Target, key: str, yes: bool) -> None:
     """Free KEY whoever holds it. Its running holder is not stopped: it will find its
     lease lost at the next renewal."""
     full = target.full_key(key)
-    try:
-        infos = target.backend.holders_of(full)
-        if not infos:
-            click.echo(f"{full}: not held, nothing released")
-            return
-        who = ", ".join(f"task {i.task_id} on {i.holder.get('hostname')}" for i in infos)
-        if not yes:
-            click.confirm(f"Release {full}, held by {who}?", abort=True)
-        count = target.backend.force_release(full)
-    except ExclusiveError as exc:
-        raise click.ClickException(str(exc)) from None
-    click.echo(f"released {full}: {count} lease(s), held by {who}")
+    shown = display.one_line(full, limit=None)
+    backend = target.backend
+    infos = backend.holders_of(full)
+    if not infos:
+        click.echo(f"{shown}: not held, nothing released")
+        return
+    who = ", ".join(f"task {_cell(i.task_id)} on {_cell(i.holder.get('hostname'))}" for i in infos)
+    if not yes:
+        click.confirm(f"Release {shown}, held by {who}?", abort=True)
+    count = backend.force_release(full)
+    click.echo(f"released {shown}: {count} lease(s), held by {who}")
 
 
 @exclusive.command()
 @click.option("--interval", default=1.0, show_default=True, help="Seconds between refreshes.")
 @click.option("--count", default=0, help="Stop after this many refreshes (0: until Ctrl-C).")
 @click.pass_obj
+@one_line_errors
 def watch(target: Target, interval: float, count: int) -> None:
     """Refresh the lease table until interrupted."""
     shown = 0
+    backend = target.backend
     try:
         while count == 0 or shown < count:
-            rows = _describe(target.backend, _holders(target, target.key_prefix))
+            rows = _describe(backend, backend.holders(target.key_prefix))
             click.clear()
-            click.echo(
-                f"{target.backend.safe_url}  {time.strftime('%H:%M:%S')}  {len(rows)} held\n"
-            )
+            click.echo(f"{backend.safe_url}  {time.strftime('%H:%M:%S')}  {len(rows)} held\n")
             click.echo(_table(rows))
             shown += 1
             if count == 0 or shown < count:

@@ -1,19 +1,41 @@
 """Settings: one naming rule, defaults kept here, every value checked.
 
+The fields of :class:`Settings` are the list of settings, written once: the task
+attributes ``exclusive_<name>``, the RQ decorator's arguments and the checks here all
+come from it (:data:`NAMES`).
+
 Every setting ``<name>`` is read from, in order: the per-task override (task
 attribute ``exclusive_<name>``, or an RQ decorator argument), the app setting
 ``exclusive_<name>`` (Django: ``CELERY_EXCLUSIVE_<NAME>``), then ``DEFAULTS``.
 Defaults live in this package rather than in ``app.add_defaults``, which would
 hide a user's namespaced value.
+
+Without a Redis broker to share, leases default to a SQLite file private to the app
+and the user (:func:`default_store_path`): two apps, or two users, on one host never
+see each other's keys by accident.
+
+A task resolves its settings once and keeps them while :func:`generation` stays the
+same. The generation moves whenever a watched ``app.conf`` is changed (:func:`watch`),
+a task's ``exclusive_<name>`` attribute is set, or :func:`force` changes what tests
+force: a change made after the first call is seen at the next call, and a call in
+production pays one integer comparison for it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
+import re
+import sys
 import tempfile
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
+
+from celery.app.utils import Settings as CelerySettings
 
 from .backends import SCHEMES
 from .errors import ConfigurationError
@@ -24,9 +46,10 @@ REDIS_SCHEMES = ("redis", "rediss")
 
 ON_DUPLICATE = ("skip", "requeue", "wait", "rerun")
 ON_BACKEND_ERROR = ("requeue", "run")
-ON_LEASE_LOST = ("log", "abort")
+ON_LEASE_LOST = ("terminate", "abort", "log")
 RERUN_ARGS = ("latest", "first")
 SCOPES = ("run", "enqueue", "both")
+SKIP_STATES = ("failure", "success")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +64,11 @@ class Settings:
     on_duplicate: str = "skip"
     wait_timeout: float = 10.0
     on_backend_error: str = "requeue"
-    on_lease_lost: str = "log"
+    #: What a holder whose lease is lost gets: "terminate" (stopped at once, see
+    #: terminate.py), "abort" (fails with LeaseLost when it returns) or "log".
+    on_lease_lost: str = "terminate"
+    #: "terminate": seconds an interrupted body has to stop before its process is killed.
+    terminate_grace: float = 5.0
     #: First requeue delay in seconds; doubles with each requeue, with full jitter.
     requeue_delay: float = 1.0
     requeue_max_delay: float = 60.0
@@ -56,8 +83,14 @@ class Settings:
     scope: str = "run"
     #: How long an enqueue mark outlives a message nobody ran (a lost message).
     enqueue_ttl: float = 3600.0
+    #: The state a skipped or coalesced duplicate ends in: "failure" (it raises
+    #: DuplicateSkipped, task_failure fires) or "success" (it returns a dict saying
+    #: so; nothing counts it as a failure). Either is ready at once for .get().
+    skip_state: str = "failure"
 
 
+#: Every setting's name: the one list that task attributes, app settings and the RQ
+#: decorator's arguments are checked against.
 NAMES = tuple(f.name for f in dataclasses.fields(Settings))
 DEFAULTS = {
     f.name: f.default for f in dataclasses.fields(Settings) if f.default is not dataclasses.MISSING
@@ -68,11 +101,187 @@ def setting_name(name: str) -> str:
     return f"exclusive_{name}"
 
 
-def default_backend_url(broker_url: Optional[str]) -> str:
-    """The broker's URL when it is Redis, else a SQLite file shared by this host's workers."""
+# --- seeing changes made after the first call ---------------------------------------
+
+_generation = 0
+_generation_lock = threading.Lock()
+
+#: Settings forced above every task attribute and app setting (see :func:`force`).
+_forced: dict[str, Any] = {}
+
+
+def generation() -> int:
+    """A number that changes whenever a setting may have changed: a task's resolved
+    settings are good while it stays the same."""
+    return _generation
+
+
+def invalidate() -> None:
+    """Make every task resolve its settings again at its next call."""
+    global _generation
+    with _generation_lock:
+        _generation += 1
+
+
+class WatchedSettings(CelerySettings):
+    """Celery's ``app.conf``, counting its changes (:func:`watch` puts it in place).
+
+    Every way Celery and users change a configuration goes through these methods:
+    ``app.conf.x = ...`` (``__setattr__`` calls ``__setitem__``), ``update()``,
+    ``setdefault()``, ``pop()``, ``clear()``, ``add_defaults()``, and the swap that
+    finalizes a pending configuration. Writing into ``app.conf.changes`` directly
+    bypasses them.
+    """
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        invalidate()
+
+    def __delitem__(self, key: str) -> None:
+        super().__delitem__(key)
+        invalidate()
+
+    def update(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().update(*args, **kwargs)
+        finally:
+            invalidate()
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        try:
+            return super().pop(key, *default)
+        finally:
+            invalidate()
+
+    def clear(self) -> None:
+        super().clear()
+        invalidate()
+
+    def add_defaults(self, d: Any) -> None:
+        super().add_defaults(d)
+        invalidate()
+
+    def swap_with(self, other: Any) -> None:
+        super().swap_with(other)
+        invalidate()
+
+
+def watch(conf: Any) -> bool:
+    """Count the changes of ``conf`` (an ``app.conf``) from now on; False when it is
+    not Celery's own settings object, whose changes then cannot be seen."""
+    if isinstance(conf, WatchedSettings):
+        return True
+    if type(conf) is not CelerySettings:
+        return False
+    # The same object, so every reference to it (and every change) stays; its own
+    # __setattr__ would store "__class__" as a setting.
+    object.__setattr__(conf, "__class__", WatchedSettings)
+    return True
+
+
+@contextmanager
+def force(**settings: Any) -> Iterator[None]:
+    """Force ``settings`` (names without the ``exclusive_`` prefix) on every task and
+    job of this process, above task attributes and app settings, until the block ends.
+
+    For tests (:mod:`celery_exclusive.testing` forces a private ``backend_url``): a
+    task that names its own store must not reach it from a test.
+    """
+    check_names("celery_exclusive.config.force()", settings, spelled=lambda name: name)
+    saved = dict(_forced)
+    _forced.update(settings)
+    invalidate()
+    try:
+        yield
+    finally:
+        _forced.clear()
+        _forced.update(saved)
+        invalidate()
+
+
+def describe_setting(name: str, value: Any) -> str:
+    """How an error shows a setting and its value: as Celery spells it."""
+    return f"{setting_name(name)}={value!r}"
+
+
+def check_names(
+    owner: str, names: Iterable[str], spelled: Callable[[str], str] = setting_name
+) -> None:
+    """Raise :class:`ConfigurationError` for a name that is no setting (a typo would
+    otherwise be ignored silently); ``spelled`` shows a name as the user wrote it."""
+    for name in names:
+        if name not in NAMES:
+            close = difflib.get_close_matches(name, NAMES, n=1)
+            hint = f"did you mean {spelled(close[0])}?" if close else "see the settings list"
+            raise ConfigurationError(
+                f"{owner}: {spelled(name)} is not a celery-exclusive setting; {hint} "
+                f"(settings: {', '.join(NAMES)})."
+            )
+
+
+def default_store_dir() -> str:
+    """The directory of the default SQLite stores: the user's own state directory.
+
+    ``$XDG_STATE_HOME/celery-exclusive``, else ``~/.local/state/celery-exclusive``;
+    for a user without a home directory, ``<tmp>/celery-exclusive-<uid>``. It is
+    created with mode 0700, and a worker refuses to start if someone else owns it.
+    """
+    state = os.environ.get("XDG_STATE_HOME", "")
+    if not os.path.isabs(state):
+        home = os.path.expanduser("~")
+        if not os.path.isabs(home):
+            return os.path.join(tempfile.gettempdir(), f"celery-exclusive-{_uid()}")
+        state = os.path.join(home, ".local", "state")
+    return os.path.join(state, "celery-exclusive")
+
+
+def default_store_path(app_name: Optional[str]) -> str:
+    """The default SQLite store of the app named ``app_name``, for this user.
+
+    One file per app and user: two apps never share keys, nor two users a file one of
+    them cannot write. Every process of the app (workers, beat, producers) finds the
+    same file, since it depends on nothing but the app's name and the uid.
+    """
+    return os.path.join(default_store_dir(), f"{app_label(app_name)}-uid{_uid()}.sqlite3")
+
+
+def app_label(app_name: Optional[str]) -> str:
+    """A file-name-safe, stable name for an app.
+
+    ``Celery(__name__)`` in a script run directly is named ``__main__``; its workers
+    (``celery -A tasks worker``) import it as ``tasks``. The script's own module name
+    (the file's stem) is what both agree on.
+    """
+    name = app_name or ""
+    if name in ("", "__main__"):
+        main = sys.modules.get("__main__")
+        spec = getattr(main, "__spec__", None)
+        path = getattr(main, "__file__", None) or ""
+        stem = os.path.splitext(os.path.basename(path))[0]
+        if stem == "__main__" and spec is not None:  # python -m package
+            stem = spec.parent or spec.name
+        name = stem or "__main__"
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:100]
+
+
+def _uid() -> int:
+    getuid = getattr(os, "getuid", None)
+    return getuid() if getuid is not None else 0
+
+
+def default_backend_url(broker_url: Optional[str], app_name: Optional[str] = None) -> str:
+    """The broker's URL when it is Redis, else the app's private SQLite file.
+
+    Without ``app_name``, the current Celery app's (``celery -A proj ...`` makes it
+    current), so that every command of one app finds the same file.
+    """
     if broker_url and urlsplit(broker_url).scheme in REDIS_SCHEMES:
         return broker_url
-    return "sqlite:///" + os.path.join(tempfile.gettempdir(), "celery-exclusive.sqlite3")
+    if app_name is None:
+        from celery import current_app  # imported late: config sits below the integrations
+
+        app_name = current_app.main
+    return "sqlite:///" + default_store_path(app_name)
 
 
 def resolve(
@@ -80,27 +289,54 @@ def resolve(
     override: Callable[[str], Any],
     app_setting: Callable[[str], Any],
     broker_url: Optional[str] = None,
+    app_name: Optional[str] = None,
+    describe: Callable[[str, Any], str] = describe_setting,
 ) -> Settings:
     """Resolve and check every setting for ``owner`` (a task or job name, for errors).
 
     ``override(name)`` and ``app_setting(name)`` return None where nothing is set.
+    ``broker_url`` and ``app_name`` choose the default store (see
+    :func:`default_backend_url`). ``describe(name, value)`` is how an error names a
+    bad setting, in the words of whoever gave it (RQ's decorator and environment
+    variables have their own).
     """
     values: dict[str, Any] = {}
     for name in NAMES:
-        value = override(name)
+        value = _forced.get(name)
+        if value is None:
+            value = override(name)
         if value is None:
             value = app_setting(name)
         if value is not None:
             values[name] = value
-    values.setdefault("backend_url", default_backend_url(broker_url))
-    return _check(owner, Settings(**values))
+    values.setdefault("backend_url", default_backend_url(broker_url, app_name))
+    return _check(owner, Settings(**values), describe)
 
 
-def _check(owner: str, settings: Settings) -> Settings:
+def for_app(app: Any, owner: str, override: Callable[[str], Any] = lambda name: None) -> Settings:
+    """The settings of ``owner`` in a Celery ``app``: ``override``, then the app's
+    ``exclusive_<name>`` settings, then the defaults (the default store is the app's).
+
+    From now on, changes to ``app.conf`` move :func:`generation`."""
+    conf = app.conf
+    watch(conf)
+    return resolve(
+        owner,
+        override,
+        lambda name: conf.get(setting_name(name)),
+        broker_url=conf.broker_url,
+        app_name=app.main,
+    )
+
+
+def is_default_store(app: Any, url: str) -> bool:
+    """Whether ``url`` is the store ``app`` gets when ``exclusive_backend_url`` is unset."""
+    return url == default_backend_url(app.conf.broker_url, app.main)
+
+
+def _check(owner: str, settings: Settings, describe: Callable[[str, Any], str]) -> Settings:
     def bad(name: str, value: Any, allowed: str) -> ConfigurationError:
-        return ConfigurationError(
-            f"{owner}: {setting_name(name)}={value!r} is not allowed; {allowed}."
-        )
+        return ConfigurationError(f"{owner}: {describe(name, value)} is not allowed; {allowed}.")
 
     for name, choices in (
         ("on_duplicate", ON_DUPLICATE),
@@ -108,13 +344,21 @@ def _check(owner: str, settings: Settings) -> Settings:
         ("on_lease_lost", ON_LEASE_LOST),
         ("rerun_args", RERUN_ARGS),
         ("scope", SCOPES),
+        ("skip_state", SKIP_STATES),
     ):
         value = getattr(settings, name)
         if value not in choices:
             raise bad(name, value, "use one of " + ", ".join(repr(c) for c in choices))
 
-    numbers = {}
-    for name in ("lease_ttl", "wait_timeout", "requeue_delay", "requeue_max_delay", "enqueue_ttl"):
+    numbers: dict[str, Any] = {}
+    for name in (
+        "lease_ttl",
+        "wait_timeout",
+        "requeue_delay",
+        "requeue_max_delay",
+        "enqueue_ttl",
+        "terminate_grace",
+    ):
         value = getattr(settings, name)
         try:
             number = float(value)

@@ -1,20 +1,60 @@
 """Errors users see. Each names the task and key where there is one, and says what to do.
 
-Every error keeps all of its constructor arguments in ``args``: Celery's JSON
-result backend rebuilds an exception as ``cls(*args)``, so a duplicate's stored
-``DuplicateSkipped`` comes back from ``AsyncResult.get()`` with its key and holder.
+They are stored as task results, and read back by clients that may not have this
+library installed, so each travels in a form both kinds of client can read:
+
+- JSON results: Celery stores the class name, its module and ``args``, and rebuilds
+  ``cls(*args)``. Every error keeps all its constructor arguments in ``args``, so a
+  stored ``DuplicateSkipped`` comes back with its key and holder. Where this module
+  is not imported, Celery makes up an ``Exception`` subclass of the same name whose
+  ``args`` (and so its text) still hold the message, key and holder.
+- Pickled results: an error pickles as "this library's class if it can be imported,
+  else ``Exception``" (resolved by kombu's ``symbol_by_name``, which every Celery
+  client has), called with the message alone, its fields restored as attributes.
+  Without this library a client gets a plain ``Exception`` whose message names the
+  key and holder, not an unpicklable result.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
+
+from kombu.utils.imports import symbol_by_name
 
 
 class ExclusiveError(Exception):
     """Base class of every error raised by celery-exclusive."""
 
+    #: The constructor's arguments after the message, kept as attributes of these names.
+    fields: tuple[str, ...] = ()
+
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self):
+        state = {name: getattr(self, name, None) for name in self.fields}
+        return _ClassOrException(type(self)), (str(self),), state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+        self.args = (*self.args[:1], *(getattr(self, name, None) for name in self.fields))
+
+
+class _ClassOrException:
+    """Builds an ExclusiveError; pickles as "its class, or Exception where this library
+    cannot be imported", so unpickling never needs this library."""
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+
+    def __call__(self, *args: Any) -> BaseException:
+        return self.cls(*args)
+
+    def __reduce__(self):
+        name = f"{self.cls.__module__}:{self.cls.__qualname__}"
+        # symbol_by_name(name, aliases, imp, package, sep, default)
+        return symbol_by_name, (name, None, None, None, ":", Exception)
 
 
 class ConfigurationError(ExclusiveError):
@@ -28,6 +68,8 @@ class ConfigurationError(ExclusiveError):
 class ExclusiveKeyError(ExclusiveError):
     """The lease key of a call cannot be built from its arguments."""
 
+    fields = ("task", "argument")
+
     def __init__(self, message: str, task: Optional[str] = None, argument: Optional[str] = None):
         super().__init__(message, task, argument)
         self.task = task
@@ -37,6 +79,8 @@ class ExclusiveKeyError(ExclusiveError):
 class BackendUnavailable(ExclusiveError):
     """The lease store did not answer (connection refused, timed out, ...)."""
 
+    fields = ("url",)
+
     def __init__(self, message: str, url: Optional[str] = None):
         super().__init__(message, url)
         self.url = url
@@ -44,6 +88,8 @@ class BackendUnavailable(ExclusiveError):
 
 class LeaseLost(ExclusiveError):
     """The lease expired or was taken away while its holder was still running."""
+
+    fields = ("key", "task")
 
     def __init__(self, message: str, key: Optional[str] = None, task: Optional[str] = None):
         super().__init__(message, key, task)
@@ -58,6 +104,8 @@ class DuplicateSkipped(ExclusiveError):
     instead of waiting on a result that never comes. ``key`` is the lease key and
     ``holder_task_id`` the id of the task that held it.
     """
+
+    fields = ("key", "holder_task_id")
 
     def __init__(
         self, message: str, key: Optional[str] = None, holder_task_id: Optional[str] = None

@@ -18,6 +18,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Union
 
+from celery.app.task import Context
+
 from .errors import ExclusiveKeyError
 
 #: Keys longer than this are hashed so they stay cheap to store and send.
@@ -34,16 +36,20 @@ def build_key(
     ``spec`` is what the user wrote as ``exclusive_key``:
 
     - ``None``: the task name plus every bound argument, defaults applied, so that
-      ``settle(7)`` and ``settle(invoice_id=7)`` share a key.
+      ``settle(7)`` and ``settle(invoice_id=7)`` share a key (see :func:`canonical_text`).
     - a format string such as ``"invoice:{invoice_id}"``, filled from the bound
       arguments. It is used as written: two tasks with the same format string
       exclude each other, which is how to serialise different tasks on one record.
     - a list of argument names: the task name plus those arguments.
     - a callable ``(args, kwargs) -> str``.
+
+    A call that does not match the function's signature raises the TypeError calling
+    the function would raise, before any key is built: the caller sees the same error
+    with and without exclusion. A key that cannot be built raises ExclusiveKeyError.
     """
+    arguments = _bind(task_name, function, args, kwargs)
     if callable(spec):
         return _from_callable(task_name, spec, args, kwargs)
-    arguments = _bind(task_name, function, args, kwargs)
     if spec is None:
         return _canonical(task_name, arguments)
     if isinstance(spec, str):
@@ -98,12 +104,10 @@ def _bind(task_name: str, function: Callable, args: Sequence, kwargs: Mapping) -
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError as exc:
-        raise ExclusiveKeyError(
-            f"{task_name}: cannot build the lease key because the call does not match the "
-            f"task's signature {signature}: {exc}.",
-            task_name,
-            _missing_argument(str(exc)),
-        ) from None
+        # What calling the function would raise; Celery's own argument check (and a
+        # plain task's run) raises the same type, so callers catch one thing.
+        name = getattr(function, "__name__", task_name)
+        raise TypeError(f"{name}() {exc}") from None
     bound.apply_defaults()
     return dict(bound.arguments)
 
@@ -168,14 +172,12 @@ def _from_callable(task_name: str, spec: Callable, args: Sequence, kwargs: Mappi
 
 
 def _canonical(task_name: str, arguments: Mapping[str, Any]) -> str:
-    """``task_name:`` plus canonical JSON of the arguments; hashed when long."""
+    """``task_name:`` plus the canonical text of the arguments; hashed when long."""
     encoded = {}
     for name, value in arguments.items():
         try:
-            encoded[name] = json.dumps(
-                value, sort_keys=True, separators=(",", ":"), default=_encode
-            )
-        except (TypeError, ValueError) as exc:
+            encoded[name] = canonical_text(value)
+        except TypeError as exc:
             raise ExclusiveKeyError(
                 f"{task_name}: cannot build the lease key from argument {name!r}: {exc}. "
                 "Name the arguments that identify the work with exclusive_key.",
@@ -189,19 +191,83 @@ def _canonical(task_name: str, arguments: Mapping[str, Any]) -> str:
     return key
 
 
-def _encode(value: Any) -> Any:
-    """The few non-JSON types that have one obvious canonical text."""
-    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
-        return value.isoformat()
-    if isinstance(value, (uuid.UUID, decimal.Decimal)):
-        return str(value)
-    if isinstance(value, (set, frozenset)):
-        return sorted(value, key=repr)
+def canonical_text(value: Any) -> str:
+    """One text per value, the same wherever the call is made, different for different values.
+
+    JSON values are written as compact JSON with sorted keys. Every other type Celery's
+    serializers carry is written as ``tag(JSON)``, which no JSON text can be, so
+    ``b"7"``, ``"7"`` and ``7`` get three keys, and so do a date and its ISO string:
+    ``bytes("7")`` (bytes, bytearray: one character per byte, 0-255),
+    ``datetime("...")``, ``date("...")``, ``time("...")`` (ISO 8601),
+    ``timedelta([days,seconds,microseconds])``, ``decimal("1.10")``, ``uuid("...")``,
+    ``set([...])`` (a set or frozenset, its items sorted by their text). A value with
+    kombu's ``__json__()`` hook is written as what that returns, as kombu sends it.
+
+    Some values arrive in the worker changed by the JSON serializer, and are written
+    as they arrive, so that producer and worker agree: a tuple is a list, and a
+    mapping's non-string keys are written as JSON writes them (``1`` as ``"1"``).
+
+    A new-style errback, which Celery calls directly as ``errback(request, exc,
+    traceback)``, is keyed on the failed task: its request as ``request("<task id>")``
+    and its exception as ``exception("<module.Class>","<message>")``.
+
+    Raises TypeError for anything else, such as an arbitrary object sent with pickle:
+    such a task names the arguments that identify its work with ``exclusive_key``.
+    """
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(canonical_text(item) for item in value) + "]"
+    if isinstance(value, Mapping):
+        items = sorted((_mapping_key(key), canonical_text(item)) for key, item in value.items())
+        return "{" + ",".join(f"{json.dumps(key)}:{text}" for key, text in items) + "}"
+    reducer = getattr(value, "__json__", None)
+    if reducer is not None:
+        return canonical_text(reducer())
+    for types, tag, text in _TAGGED:
+        if isinstance(value, types):
+            return f"{tag}({text(value)})"
     raise TypeError(f"{type(value).__name__} has no canonical form")
 
 
-def _missing_argument(message: str) -> str | None:
-    # inspect's TypeError reads "missing a required argument: 'invoice_id'".
-    if "'" in message:
-        return message.split("'")[1]
-    return None
+def _mapping_key(key: Any) -> str:
+    """A mapping key as JSON writes it: the JSON serializer delivers ``{1: x}`` as
+    ``{"1": x}``. Keys JSON cannot write are written as their canonical text."""
+    if isinstance(key, str):
+        return key
+    if key is None or isinstance(key, (bool, int, float)):
+        return json.dumps(key)
+    return canonical_text(key)
+
+
+def _sorted_items(items: Any) -> str:
+    return "[" + ",".join(sorted(canonical_text(item) for item in items)) + "]"
+
+
+def _iso(value: Any) -> str:
+    return json.dumps(value.isoformat())
+
+
+#: Types written as ``tag(JSON)``, most specific first (a datetime is also a date).
+_TAGGED: tuple[tuple[Any, str, Callable[[Any], str]], ...] = (
+    ((bytes, bytearray, memoryview), "bytes", lambda v: json.dumps(bytes(v).decode("latin-1"))),
+    (datetime.datetime, "datetime", _iso),
+    (datetime.date, "date", _iso),
+    (datetime.time, "time", _iso),
+    (
+        datetime.timedelta,
+        "timedelta",
+        lambda v: json.dumps([v.days, v.seconds, v.microseconds]),
+    ),
+    (decimal.Decimal, "decimal", lambda v: json.dumps(str(v))),
+    (uuid.UUID, "uuid", lambda v: json.dumps(str(v))),
+    ((set, frozenset), "set", _sorted_items),
+    (Context, "request", lambda v: json.dumps(v.id)),
+    (
+        BaseException,
+        "exception",
+        lambda v: (
+            f"{json.dumps(f'{type(v).__module__}.{type(v).__qualname__}')},{json.dumps(str(v))}"
+        ),
+    ),
+)

@@ -1,10 +1,10 @@
-"""Leases as their holders see them, and the heartbeat that keeps them alive.
+"""Leases as their holders see them.
 
 Integrations never talk to a store: they call :func:`acquire`, get a
-:class:`HeldLease` (or None), and release it. Each process has one heartbeat thread,
-started on the first lease the process takes (never at import: a thread started
-before a fork deadlocks the child), which renews all of the process's leases in one
-round trip per store every ``ttl / 3``.
+:class:`HeldLease` (or None), and release it. While held, the process's heartbeat
+(:mod:`celery_exclusive.heartbeat`) renews it. A call that runs without a lease
+because the store was down and ``on_backend_error="run"`` sees an
+:class:`UnlockedLease` instead, so code written against ``self.lease`` keeps working.
 """
 
 from __future__ import annotations
@@ -15,17 +15,22 @@ import socket
 import threading
 import time
 import uuid
-from collections import defaultdict
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from . import signals
 from .backends import Backend, Lease
-from .errors import BackendUnavailable, LeaseLost
+from .errors import ExclusiveError, LeaseLost
+from .heartbeat import heartbeat
+
+__all__ = ["HeldLease", "UnlockedLease", "acquire", "heartbeat"]
 
 logger = logging.getLogger("celery_exclusive")
 
 HOSTNAME = socket.gethostname()
+
+#: Called with the lease, in the thread that found the loss, once it is known.
+LossListener = Callable[["HeldLease"], None]
 
 
 class HeldLease:
@@ -41,9 +46,13 @@ class HeldLease:
         self.name = name
         self.task_id = task_id
         self.acquired_at = time.monotonic()
+        #: When the last renewal the store accepted was sent (monotonic): the store
+        #: keeps the lease at least ``ttl`` past this.
         self.renewed_at = self.acquired_at
         self.lost_reason: Optional[str] = None
         self.released = False
+        self._listeners: list[LossListener] = []
+        self._loss_lock = threading.Lock()
 
     @property
     def key(self) -> str:
@@ -56,6 +65,11 @@ class HeldLease:
     @property
     def ttl(self) -> float:
         return self.grant.ttl
+
+    @property
+    def held(self) -> bool:
+        """True while the lease is neither lost nor released."""
+        return not self.released and not self.lost
 
     @property
     def lost(self) -> bool:
@@ -77,7 +91,16 @@ class HeldLease:
         return self.lost_reason is not None
 
     def ensure_held(self) -> None:
-        """Raise :class:`LeaseLost` if the lease was lost; call it before each write."""
+        """Raise :class:`LeaseLost` unless the lease is still held; call it before each
+        write. A released lease (its retry was sent, its call ended) is not held either."""
+        if self.released and self.lost_reason is None:
+            raise LeaseLost(
+                f"{self.name}[{self.task_id}] no longer holds its lease on {self.key!r}: it "
+                "was released (a retry of this call was sent). Stop here: the work is no "
+                "longer exclusive.",
+                self.key,
+                self.name,
+            )
         if self.lost:
             raise LeaseLost(
                 f"{self.name}[{self.task_id}] lost its lease on {self.key!r} "
@@ -95,11 +118,12 @@ class HeldLease:
         """
         if self.released:
             return False
+        self.lost  # noqa: B018 - flags a lease that went a whole ttl without renewal
         self.released = True
         heartbeat().discard(self)
         try:
             freed = self.backend.release(self.grant)
-        except BackendUnavailable as exc:
+        except ExclusiveError as exc:
             logger.warning(
                 "lease release failed key=%s task_id=%s: %s; it expires by itself within %.1fs",
                 self.key,
@@ -108,6 +132,14 @@ class HeldLease:
                 self.ttl,
             )
             return False
+        if not freed:
+            # Gone before its holder gave it back: expired, taken by an operator, or lost
+            # with a store that forgot it (a failover). The body may have run beside the
+            # next holder, so that is a loss, said as loudly as one found by the heartbeat.
+            self.mark_lost(
+                "the store no longer had it when its holder released it: it expired or "
+                "was taken while the body ran"
+            )
         signals.lease_released.send(
             sender=self.name,
             key=self.key,
@@ -116,10 +148,31 @@ class HeldLease:
         )
         return freed
 
+    def on_loss(self, listener: LossListener) -> None:
+        """Call ``listener(lease)`` once the lease is found lost (at once if it already is).
+
+        It runs in the thread that found the loss: usually the heartbeat's, so it must
+        not block. :mod:`celery_exclusive.terminate` stops the holder this way.
+        """
+        with self._loss_lock:
+            already = self.lost_reason is not None
+            if not already:
+                self._listeners.append(listener)
+        if already:
+            listener(self)
+
+    def remove_loss_listener(self, listener: LossListener) -> None:
+        with self._loss_lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
     def mark_lost(self, reason: str) -> None:
-        if self.lost_reason is not None:
-            return
-        self.lost_reason = reason
+        """Flag the lease lost: log it at ERROR, send ``lease_lost``, tell the listeners."""
+        with self._loss_lock:
+            if self.lost_reason is not None:
+                return
+            self.lost_reason = reason
+            listeners, self._listeners = self._listeners, []
         logger.error(
             "lease lost key=%s task=%s task_id=%s fencing_token=%s: %s",
             self.key,
@@ -129,10 +182,49 @@ class HeldLease:
             reason,
         )
         signals.lease_lost.send(sender=self.name, key=self.key, task_id=self.task_id, reason=reason)
+        for listener in listeners:
+            try:
+                listener(self)
+            except Exception:  # one listener's bug must not keep the others from acting
+                logger.exception("lease-lost listener failed key=%s", self.key)
 
     def __repr__(self) -> str:
         state = "lost" if self.lost else "released" if self.released else "held"
         return f"<HeldLease {self.key!r} token={self.fencing_token} {state}>"
+
+
+class UnlockedLease:
+    """``self.lease`` of a call running *without* a lease: the store did not answer and
+    ``exclusive_on_backend_error="run"`` chose to run anyway (with a WARNING).
+
+    It says so: ``held`` is False and ``fencing_token`` None (storage that checks
+    fences should treat None as "unfenced"). ``lost`` is False, since nothing was held
+    to lose, and ``ensure_held()`` does nothing: failing open was the setting's
+    choice, so code that calls it before each write keeps running. Check ``held``
+    where a write must never happen unlocked.
+    """
+
+    held = False
+    lost = False
+    released = True
+    fencing_token: Optional[int] = None
+    lost_reason: Optional[str] = None
+
+    def __init__(self, key: str, name: str, task_id: Optional[str], reason: str):
+        self.key = key
+        self.name = name
+        self.task_id = task_id
+        #: Why it runs unlocked (the store's error).
+        self.reason = reason
+
+    def ensure_held(self) -> None:
+        """Nothing to check: the call runs unlocked by the ``run`` setting's choice."""
+
+    def release(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"<UnlockedLease {self.key!r}>"
 
 
 def acquire(
@@ -168,128 +260,3 @@ def acquire(
         sender=name, key=key, task_id=task_id, fencing_token=grant.fencing_token
     )
     return lease
-
-
-class Heartbeat:
-    """Renews every lease this process holds, from one daemon thread."""
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        self._leases: set[HeldLease] = set()
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-        #: When the thread's current sleep ends (monotonic); None: asleep until woken.
-        self._sleeping_until: Optional[float] = None
-        #: Seconds the last beat started after it was due (a starved thread shows here).
-        self.lag = 0.0
-
-    def add(self, lease: HeldLease) -> None:
-        with self._lock:
-            self._leases.add(lease)
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="celery-exclusive-heartbeat", daemon=True
-                )
-                self._thread.start()
-            # Wake the thread only if this lease needs a beat sooner than the one it
-            # sleeps until: waking it on every acquire costs a thread switch per task.
-            sleeping_until = self._sleeping_until
-            wake = sleeping_until is None or time.monotonic() + lease.ttl / 3 < sleeping_until
-        if wake:
-            self._wake.set()
-
-    def discard(self, lease: HeldLease) -> None:
-        with self._lock:
-            self._leases.discard(lease)
-
-    def held(self) -> list[HeldLease]:
-        with self._lock:
-            return list(self._leases)
-
-    def interval(self) -> Optional[float]:
-        with self._lock:
-            return self._interval()
-
-    def _interval(self) -> Optional[float]:
-        leases = self._leases
-        return min(lease.ttl for lease in leases) / 3 if leases else None
-
-    def _run(self) -> None:
-        due: Optional[float] = None
-        while True:
-            # Under the lock, so that add() sees when this sleep ends and wakes the
-            # thread if a new lease needs a beat sooner (or the thread is idle).
-            with self._lock:
-                interval = self._interval()
-                now = time.monotonic()
-                if interval is None:
-                    due = None
-                else:
-                    # An added lease may shorten the interval; the next beat never moves
-                    # later, so a steady stream of new leases cannot postpone renewals.
-                    due = now + interval if due is None else min(due, now + interval)
-                self._sleeping_until = due
-            if due is None:
-                self._wake.wait()
-                self._wake.clear()
-                continue
-            if self._wake.wait(max(0.0, due - now)):
-                self._wake.clear()
-                continue
-            self.lag = max(0.0, time.monotonic() - due)
-            due = None
-            try:
-                self.beat()
-            except Exception:  # never let the thread die: leases would silently expire
-                logger.exception("lease heartbeat failed")
-
-    def beat(self) -> None:
-        """Renew every held lease now: one ``renew()`` call per store."""
-        by_backend: dict[Backend, list[HeldLease]] = defaultdict(list)
-        for lease in self.held():
-            by_backend[lease.backend].append(lease)
-        for backend, leases in by_backend.items():
-            started = time.monotonic()
-            try:
-                lost = backend.renew([lease.grant for lease in leases])
-            except BackendUnavailable as exc:
-                self._renewal_failed(leases, exc, started)
-                continue
-            still_held = set(self.held())
-            for lease in leases:
-                if lease.grant in lost:
-                    if lease in still_held:  # released meanwhile: not a loss
-                        lease.mark_lost("the store no longer has it (expired or taken)")
-                        self.discard(lease)
-                else:
-                    lease.renewed_at = started
-
-    def _renewal_failed(self, leases: list[HeldLease], exc: Exception, started: float) -> None:
-        for lease in leases:
-            if started - lease.renewed_at >= lease.ttl:
-                lease.mark_lost(f"it could not be renewed for {lease.ttl:.1f}s: {exc}")
-                self.discard(lease)
-            else:
-                logger.warning(
-                    "lease renewal failed key=%s task_id=%s, retrying: %s",
-                    lease.key,
-                    lease.task_id,
-                    exc,
-                )
-
-
-_heartbeat: Optional[Heartbeat] = None
-_heartbeat_lock = threading.Lock()
-
-
-def heartbeat() -> Heartbeat:
-    """This process's heartbeat; a forked child gets a fresh one (threads do not fork)."""
-    global _heartbeat
-    current = _heartbeat
-    if current is None or current.pid != os.getpid():
-        with _heartbeat_lock:
-            if _heartbeat is None or _heartbeat.pid != os.getpid():
-                _heartbeat = Heartbeat()
-            current = _heartbeat
-    return current

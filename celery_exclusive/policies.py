@@ -3,7 +3,9 @@
 :func:`claim` returns one outcome and the integration (Celery task or RQ job)
 carries it out in its own terms: :class:`Run` the body under the lease,
 :class:`Skip` with a terminal result naming the holder, :class:`Coalesce` into the
-pending rerun, or :class:`Requeue` after a delay. Nothing here knows Celery or RQ.
+pending rerun, :class:`Requeue` after a delay, or :class:`Redelivered` (a second copy
+of a call that is running now) set aside without a trace. Nothing here knows Celery
+or RQ.
 """
 
 from __future__ import annotations
@@ -55,7 +57,17 @@ class Requeue:
     holder_task_id: Optional[str]
 
 
-Outcome = Union[Run, Skip, Coalesce, Requeue]
+@dataclass(frozen=True)
+class Redelivered:
+    """A copy of a call whose own task id holds the key: the broker delivered its
+    message again while the first delivery still runs (``acks_late`` past the
+    visibility timeout). It is no duplicate: it must not run, nor leave a result."""
+
+    key: str
+    countdown: float
+
+
+Outcome = Union[Run, Skip, Coalesce, Requeue, Redelivered]
 
 
 def claim(
@@ -66,19 +78,29 @@ def claim(
     task_id: Optional[str],
     requeues: int = 0,
     arguments: Optional[str] = None,
+    redelivery: bool = False,
 ) -> Outcome:
     """Take ``key`` or decide what the duplicate gets under ``settings.on_duplicate``.
 
     ``arguments`` (JSON) is what a ``rerun`` duplicate hands to the pending rerun.
+    With ``redelivery`` (a broker may deliver this call's message twice), a call whose
+    own ``task_id`` holds the key is :class:`Redelivered`, whatever the policy.
     Raises :class:`BackendUnavailable` if the store does not answer; what happens then
     (``on_backend_error``) is the integration's call, since only it can requeue.
     """
     lease = _try(settings, backend, key, name, task_id, task_id)
     if lease is not None:
+        if redelivery and task_id and settings.limit > 1 and _held_by(backend, key, task_id, lease):
+            # A semaphore had a slot left for the copy: give it back.
+            lease.release()
+            return Redelivered(key, requeue_delay(settings, requeues))
         return _run(settings, backend, key, task_id, lease)
 
     # Whom this call yields to: a holder, or else whoever is first in line for the key.
-    holder = holder_of(backend, key) or next(iter(marks.line_of(backend, key)), None)
+    holders = [info.task_id for info in backend.holders_of(key) if info.task_id]
+    if redelivery and task_id in holders:
+        return Redelivered(key, requeue_delay(settings, requeues))
+    holder = next(iter(holders), None) or next(iter(marks.line_of(backend, key)), None)
     if settings.priority and task_id:
         _detected(name, key, task_id, "priority", holder)
         countdown = requeue_delay(settings, requeues)
@@ -92,7 +114,8 @@ def claim(
 
     policy = settings.on_duplicate
     _detected(name, key, task_id, policy, holder)
-    if policy == "rerun" and task_id:
+    rerun = policy == "rerun" and bool(task_id)
+    if rerun:
         pending = marks.join_rerun(
             backend,
             key,
@@ -100,10 +123,12 @@ def claim(
             arguments or "",
             _pending_ttl(settings),
             latest=settings.rerun_args == "latest",
+            alive_for=settings.lease_ttl,
         )
         if pending != task_id:
             return Coalesce(key, pending)
-        # This call is the pending rerun: it waits for the key like "wait" does.
+        # This call is the pending rerun: it waits for the key like "wait" does, and
+        # stays pending while it stands in the key's line.
     if policy in ("wait", "rerun"):
         lease = wait_for(settings, backend, key, name, task_id)
         if lease is not None:
@@ -112,7 +137,15 @@ def claim(
         # joins the back of the line when it comes back.
     if policy == "skip":
         return Skip(key, holder)
-    return Requeue(key, requeue_delay(settings, requeues), holder)
+    countdown = requeue_delay(settings, requeues)
+    if rerun:
+        # Out of the line while its message is away: it stays pending for as long as
+        # coming back takes, and a duplicate takes its place if it never does.
+        away = countdown + settings.lease_ttl
+        pending = marks.rerun_away(backend, key, task_id, away, _pending_ttl(settings))
+        if pending not in (None, task_id):
+            return Coalesce(key, pending)  # replaced while it waited: the newer one runs
+    return Requeue(key, countdown, holder)
 
 
 def wait_for(
@@ -168,6 +201,14 @@ def holder_of(backend: Backend, key: str) -> Optional[str]:
         if info.task_id:
             return info.task_id
     return None
+
+
+def _held_by(backend: Backend, key: str, task_id: str, lease: HeldLease) -> bool:
+    """Whether another lease on ``key`` than ``lease`` belongs to ``task_id``."""
+    return any(
+        info.task_id == task_id and info.owner != lease.grant.owner
+        for info in backend.holders_of(key)
+    )
 
 
 def requeue_delay(settings: Settings, requeues: int) -> float:
@@ -228,8 +269,9 @@ def _run(
 
 
 def _pending_ttl(settings: Settings) -> float:
-    """How long a pending rerun stays pending without its task coming back: one wait,
-    one requeue delay, and a lease ttl of slack."""
+    """How long a pending rerun's mark lasts unrefreshed: one wait, one requeue delay,
+    and a lease ttl of slack. Whether its task is still alive is decided sooner, by
+    the mark's own ``until`` and the key's line (``marks.join_rerun``)."""
     return settings.wait_timeout + settings.requeue_max_delay + settings.lease_ttl
 
 

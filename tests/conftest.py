@@ -83,7 +83,78 @@ def consul_url(consul_server, monkeypatch):
     from celery_exclusive.backends.consul import ConsulBackend
 
     monkeypatch.setattr(ConsulBackend, "min_session_ttl", consul_server.min_session_ttl)
-    return f"{consul_server.url}/exclusive-tests/{uuid.uuid4().hex}"
+    # lock_delay=0: the contract measures expiry alone (Consul's lock delay would add to it).
+    return f"{consul_server.url}/exclusive-tests/{uuid.uuid4().hex}?lock_delay=0"
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A PostgreSQL cluster of the session's own (Debian's ``postgresql`` programs)."""
+    from tests.servers import PostgresServer
+
+    server = PostgresServer()
+    server.start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture
+def postgresql_url(postgres_server):
+    """A schema of the test's own in the session's PostgreSQL (created on first use)."""
+    return f"{postgres_server.url}?schema=t_{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="session")
+def etcd_server():
+    """A one-member etcd of the session's own (Debian's ``etcd-server``)."""
+    from tests.servers import EtcdServer
+
+    server = EtcdServer()
+    server.start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture
+def etcd_url(etcd_server):
+    """A key prefix of the test's own in the session's etcd."""
+    return f"{etcd_server.url}/t-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="session")
+def mongo_server():
+    """The MongoDB at MONGODB_URL if set, else the wire-protocol stand-in in
+    tests/mongo_standin.py (no MongoDB server can be installed here)."""
+    from tests.mongo_standin import start_mongo
+
+    server = start_mongo()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def mongodb_url(mongo_server):
+    """A database of the test's own."""
+    return f"{mongo_server.url}/t_{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="session")
+def redis_cluster():
+    """A real 3-master Redis Cluster, started once for the session."""
+    from tests.servers import RedisClusterServers
+
+    servers = RedisClusterServers()
+    servers.start()
+    yield servers
+    servers.cleanup()
+
+
+@pytest.fixture
+def redis_cluster_url(redis_cluster):
+    """The session's Redis Cluster, every node emptied (a cluster has one database)."""
+    for node in redis_cluster.nodes:
+        node.client().flushall()
+    return redis_cluster.url
 
 
 #: Contract-suite stores by name; each value builds a BackendCase from the test's fixtures.
@@ -91,6 +162,11 @@ BACKEND_CASES = {
     "memory": lambda request: BackendCase(request.getfixturevalue("memory_url")),
     "sqlite": lambda request: BackendCase(request.getfixturevalue("sqlite_url")),
     "redis": lambda request: BackendCase(request.getfixturevalue("redis_url")),
+    # etcd leases last whole seconds, one at least.
+    "etcd": lambda request: BackendCase(request.getfixturevalue("etcd_url"), short_ttl=1.0),
+    "mongodb": lambda request: BackendCase(request.getfixturevalue("mongodb_url")),
+    "postgresql": lambda request: BackendCase(request.getfixturevalue("postgresql_url")),
+    "redis-cluster": lambda request: BackendCase(request.getfixturevalue("redis_cluster_url")),
     "consul": lambda request: BackendCase(
         request.getfixturevalue("consul_url"),
         short_ttl=request.getfixturevalue("consul_server").short_ttl,

@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from celery_exclusive.backends.line import line_mark
+from celery_exclusive.backends.line import LINE
 from celery_exclusive.errors import ConfigurationError
 
 
@@ -175,63 +175,63 @@ def test_force_release_frees_a_key_whoever_holds_it(backend):
 
 
 def test_a_record_never_written_reads_as_none(backend):
-    assert backend.read_record("beat:last") is None
+    assert backend.read_record("beat", "last") is None
 
 
 def test_the_holder_writes_a_record_everyone_can_read(backend):
     lease = backend.try_acquire("beat", owner(), 10)
-    assert backend.write_record(lease, "beat:last", "2024-01-01T00:00:00+00:00") is True
-    assert backend.read_record("beat:last") == "2024-01-01T00:00:00+00:00"
+    assert backend.write_record(lease, "last", "2024-01-01T00:00:00+00:00") is True
+    assert backend.read_record("beat", "last") == "2024-01-01T00:00:00+00:00"
 
 
 def test_a_later_write_replaces_the_record(backend):
     lease = backend.try_acquire("beat", owner(), 10)
-    backend.write_record(lease, "beat:last", "one")
-    backend.write_record(lease, "beat:last", "two")
-    assert backend.read_record("beat:last") == "two"
+    backend.write_record(lease, "last", "one")
+    backend.write_record(lease, "last", "two")
+    assert backend.read_record("beat", "last") == "two"
 
 
 def test_records_are_independent_of_each_other(backend):
     lease = backend.try_acquire("beat", owner(), 10)
-    backend.write_record(lease, "beat:a", "a")
-    backend.write_record(lease, "beat:b", "b")
-    assert (backend.read_record("beat:a"), backend.read_record("beat:b")) == ("a", "b")
+    backend.write_record(lease, "a", "a")
+    backend.write_record(lease, "b", "b")
+    assert (backend.read_record("beat", "a"), backend.read_record("beat", "b")) == ("a", "b")
 
 
 def test_a_released_lease_cannot_write_a_record(backend):
     lease = backend.try_acquire("beat", owner(), 10)
-    backend.write_record(lease, "beat:last", "mine")
+    backend.write_record(lease, "last", "mine")
     backend.release(lease)
-    assert backend.write_record(lease, "beat:last", "stale") is False
-    assert backend.read_record("beat:last") == "mine"
+    assert backend.write_record(lease, "last", "stale") is False
+    assert backend.read_record("beat", "last") == "mine"
 
 
 def test_an_expired_lease_cannot_write_a_record(backend, backend_case):
     ttl = backend_case.short_ttl
     lease = backend.try_acquire("beat", owner(), ttl)
     time.sleep(ttl * 2.5)
-    assert backend.write_record(lease, "beat:last", "stale") is False
-    assert backend.read_record("beat:last") is None
+    assert backend.write_record(lease, "last", "stale") is False
+    assert backend.read_record("beat", "last") is None
 
 
 def test_a_former_holder_cannot_overwrite_the_new_holders_record(backend):
     old = backend.try_acquire("beat", owner(), 10)
     backend.force_release("beat")
     new = backend.try_acquire("beat", owner(), 10)
-    assert backend.write_record(new, "beat:last", "new") is True
-    assert backend.write_record(old, "beat:last", "old") is False
-    assert backend.read_record("beat:last") == "new"
+    assert backend.write_record(new, "last", "new") is True
+    assert backend.write_record(old, "last", "old") is False
+    assert backend.read_record("beat", "last") == "new"
 
 
 def test_a_holder_of_a_limit_can_write_a_record(backend):
     lease = backend.try_acquire("k", owner(), 10, limit=2)
-    assert backend.write_record(lease, "k:last", "v") is True
-    assert backend.read_record("k:last") == "v"
+    assert backend.write_record(lease, "last", "v") is True
+    assert backend.read_record("k", "last") == "v"
 
 
 def test_records_do_not_show_up_as_holders(backend):
     lease = backend.try_acquire("app:beat", owner(), 10)
-    backend.write_record(lease, "app:beat:last", "v")
+    backend.write_record(lease, "last", "v")
     assert [info.key for info in backend.holders("app:")] == ["app:beat"]
 
 
@@ -242,7 +242,7 @@ def test_concurrent_writers_with_and_without_the_lease_leave_only_the_holders_va
 
     def write(name, lease):
         for i in range(50):
-            answers[name].append(backend.write_record(lease, "beat:last", f"{name}-{i}"))
+            answers[name].append(backend.write_record(lease, "last", f"{name}-{i}"))
 
     threads = [threading.Thread(target=write, args=a) for a in (("held", held), ("stale", stale))]
     for thread in threads:
@@ -250,7 +250,7 @@ def test_concurrent_writers_with_and_without_the_lease_leave_only_the_holders_va
     for thread in threads:
         thread.join()
     assert all(answers["held"]) and not any(answers["stale"])
-    assert backend.read_record("beat:last") == "held-49"
+    assert backend.read_record("beat", "last") == "held-49"
 
 
 # --- marks: small ttl'd values changed only by compare-and-swap ---------------------
@@ -264,48 +264,48 @@ def marks(backend):
 
 
 def test_an_absent_mark_reads_as_none(marks):
-    assert marks.read_mark("m:~x") is None
+    assert marks.read_mark("m", "x") is None
 
 
 def test_a_mark_is_created_only_where_none_was_expected(marks):
-    assert marks.swap_mark("m:~x", None, "a", 10) is True
-    assert marks.swap_mark("m:~x", None, "b", 10) is False
-    assert marks.read_mark("m:~x") == "a"
+    assert marks.swap_mark("m", "x", None, "a", 10) is True
+    assert marks.swap_mark("m", "x", None, "b", 10) is False
+    assert marks.read_mark("m", "x") == "a"
 
 
 def test_a_mark_changes_only_from_the_expected_value(marks):
-    marks.swap_mark("m:~x", None, "a", 10)
-    assert marks.swap_mark("m:~x", "z", "b", 10) is False
-    assert marks.swap_mark("m:~x", "a", "b", 10) is True
-    assert marks.read_mark("m:~x") == "b"
+    marks.swap_mark("m", "x", None, "a", 10)
+    assert marks.swap_mark("m", "x", "z", "b", 10) is False
+    assert marks.swap_mark("m", "x", "a", "b", 10) is True
+    assert marks.read_mark("m", "x") == "b"
 
 
 def test_a_mark_swapped_to_none_is_deleted(marks):
-    marks.swap_mark("m:~x", None, "a", 10)
-    assert marks.swap_mark("m:~x", "a", None, 10) is True
-    assert marks.read_mark("m:~x") is None
+    marks.swap_mark("m", "x", None, "a", 10)
+    assert marks.swap_mark("m", "x", "a", None, 10) is True
+    assert marks.read_mark("m", "x") is None
 
 
 def test_an_expired_mark_reads_as_none_and_counts_as_absent(marks, backend_case):
-    marks.swap_mark("m:~x", None, "a", backend_case.short_ttl)
+    marks.swap_mark("m", "x", None, "a", backend_case.short_ttl)
     time.sleep(backend_case.short_ttl * 2.5)
-    assert marks.read_mark("m:~x") is None
-    assert marks.swap_mark("m:~x", None, "b", 10) is True
+    assert marks.read_mark("m", "x") is None
+    assert marks.swap_mark("m", "x", None, "b", 10) is True
 
 
 def test_marks_are_not_listed_as_holders(marks):
-    marks.swap_mark("k:~x", None, "a", 10)
+    marks.swap_mark("k", "x", None, "a", 10)
     assert marks.holders("k") == []
 
 
 def stand_in_line(store, key: str, *claimants: str, ttl: float = 10) -> None:
     """Make ``claimants`` the line of ``key``, in that order, the way waiters write it."""
-    line = json.dumps([{"id": c, "until": time.time() + ttl} for c in claimants])
-    assert store.swap_mark(line_mark(key), store.read_mark(line_mark(key)), line, ttl)
+    line = json.dumps([{"id": c, "until": store.store_time() + ttl} for c in claimants])
+    assert store.swap_mark(key, LINE, store.read_mark(key, LINE), line, ttl)
 
 
 def in_line(store, key: str) -> list[str]:
-    return [entry["id"] for entry in json.loads(store.read_mark(line_mark(key)) or "[]")]
+    return [entry["id"] for entry in json.loads(store.read_mark(key, LINE) or "[]")]
 
 
 def test_a_line_admits_only_its_first_to_a_free_key(marks):
@@ -322,7 +322,7 @@ def test_a_grant_takes_its_claimant_out_of_the_line(marks):
     marks.release(lease)
     assert marks.try_acquire("k", owner(), 10) is None
     assert marks.try_acquire("k", owner(), 10, claimant="second") is not None
-    assert marks.read_mark(line_mark("k")) is None
+    assert marks.read_mark("k", LINE) is None
 
 
 def test_a_refused_grant_leaves_the_line_as_it_was(marks):
@@ -353,6 +353,14 @@ def test_an_expired_line_no_longer_refuses(marks, backend_case):
     stand_in_line(marks, "k", "gone", ttl=backend_case.short_ttl)
     time.sleep(backend_case.short_ttl * 2.5)
     assert marks.try_acquire("k", owner(), 10) is not None
+
+
+def test_a_lapsed_entry_by_the_stores_clock_no_longer_holds_its_place(marks):
+    now = marks.store_time()
+    line = json.dumps([{"id": "dead", "until": now - 1}, {"id": "live", "until": now + 30}])
+    assert marks.swap_mark("k", LINE, None, line, 30)
+    assert marks.try_acquire("k", owner(), 10) is None
+    assert marks.try_acquire("k", owner(), 10, claimant="live") is not None
 
 
 def test_wait_does_not_return_for_a_free_key_while_another_is_first_in_line(marks):
@@ -391,3 +399,96 @@ def test_a_release_wakes_the_first_in_line_and_nobody_behind_it(marks):
     behind.join()
     assert waited["first"] < 2.5, "the release did not wake the first in line"
     assert waited["second"] >= 1.9, "the release woke a waiter behind the first"
+
+
+# --- keys are data: no key, whatever its characters, reaches another key's entries ----
+
+#: Keys an attacker or an unlucky argument can produce: the store's own separators,
+#: Redis hash tags and glob characters, HTTP path segments, control and wide characters.
+HOSTILE_KEYS = [
+    "k:~line",
+    "k:~fence",
+    "k:~signal",
+    "k:~holders",
+    "k:~rerun",
+    "k:~queued",
+    "k:~record:last",
+    "k/.lock",
+    "k/x",
+    "{k}",
+    "k}{",
+    "k*",
+    "k[ab]?",
+    "k\\",
+    "k\nline two",
+    "k\x00nul",
+    "k//double",
+    "k/./dot",
+    "k/../up",
+    "k/",
+    "k%2Fenc",
+    "k?q=1#frag",
+    " k ",
+    "ключ-" + "ü" * 300,
+]
+
+
+@pytest.mark.parametrize("key", HOSTILE_KEYS, ids=repr)
+def test_any_key_is_granted_listed_and_freed_exactly(backend, key):
+    plain = backend.try_acquire("k", owner(), 10)
+    lease = backend.try_acquire(key, owner(), 10)
+    assert lease is not None and lease.key == key
+    assert backend.try_acquire(key, owner(), 10) is None
+    assert [info.key for info in backend.holders_of(key)] == [key]
+    listed = {"k", key} if key.startswith("k") else {"k"}
+    assert sorted(info.key for info in backend.holders("k")) == sorted(listed)
+    assert backend.force_release(key) == 1
+    assert backend.holders_of(key) == []
+    assert [info.key for info in backend.holders_of("k")] == ["k"]
+    assert backend.renew([plain]) == set()
+
+
+@pytest.mark.parametrize("key", [k for k in HOSTILE_KEYS if k.startswith("k:~")], ids=repr)
+def test_a_key_named_like_an_internal_entry_is_an_ordinary_key(marks, key):
+    stand_in_line(marks, "k", "first")
+    lease = marks.try_acquire(key, owner(), 10, limit=2)
+    assert lease is not None
+    assert in_line(marks, "k") == ["first"]
+    assert marks.try_acquire("k", owner(), 10, claimant="first") is not None
+    marks.swap_mark(key, "rerun", None, "pending", 10)
+    assert marks.read_mark("k", "rerun") is None
+    assert marks.release(lease) is True
+
+
+def test_marks_of_one_key_are_apart_from_another_keys_and_kinds(marks):
+    marks.swap_mark("k", "line", None, "a", 10)
+    assert marks.read_mark("k", "rerun") is None
+    assert marks.read_mark("k:~line", "line") is None
+    assert marks.read_mark("k:", "line") is None
+    assert marks.holders("k") == []
+
+
+def test_records_belong_to_their_lease_key(backend):
+    one = backend.try_acquire("beat:a", owner(), 10)
+    other = backend.try_acquire("beat:a:~record:x", owner(), 10)
+    assert backend.write_record(one, "x", "mine") is True
+    assert backend.read_record("beat:a:~record:x", "x") is None
+    assert backend.write_record(other, "x", "theirs") is True
+    assert backend.read_record("beat:a", "x") == "mine"
+    assert backend.holders_of("beat:a:~record:x")[0].key == "beat:a:~record:x"
+
+
+# --- the store's clock, and the start-up check ------------------------------------------
+
+
+def test_the_store_clock_tells_epoch_seconds_and_moves_forward(backend):
+    first = backend.store_time()
+    time.sleep(0.05)
+    second = backend.store_time()
+    assert abs(first - time.time()) < 60
+    assert second > first
+
+
+def test_a_healthy_store_passes_the_start_up_check_and_leaves_the_probe_key_free(backend):
+    assert isinstance(backend.check("exclusive:~check"), list)
+    assert backend.holders_of("exclusive:~check") == []

@@ -18,11 +18,14 @@ from pathlib import Path
 import pytest
 import redis
 from celery import Celery
+from celery.signals import before_task_publish
 
-from celery_exclusive import ConfigurationError, backend_for_url, register_scheme
+from celery_exclusive import backend_for_url, register_scheme
 from celery_exclusive.backends.memory import MemoryBackend
 from celery_exclusive.beat import LeaderScheduler
+from tests.beats import die, run_due
 from tests.conftest import fresh_redis_db
+from tests.servers import RedisServer
 from tests.workers import LoggedProcess, Worker
 
 TTL = 2.4
@@ -61,7 +64,11 @@ class Stack:
         self.broker = fresh_redis_db(server)
         ledger_url = fresh_redis_db(server)
         self.ledger = redis.Redis.from_url(ledger_url)
-        self.store = fresh_redis_db(server) if store == "redis" else f"sqlite:///{tmp_path}/l.db"
+        named = {
+            "redis": lambda: fresh_redis_db(server),
+            "sqlite": lambda: f"sqlite:///{tmp_path}/l.db",
+        }
+        self.store = named[store]() if store in named else store
         self.tmp_path = tmp_path
         self.env = {
             "EXCLUSIVE_TEST_BROKER": self.broker,
@@ -131,10 +138,12 @@ class Stack:
 def make_stack(redis_server, tmp_path):
     stacks = []
 
-    def make(store: str, inner: str = "") -> Stack:
+    def make(store: str, inner: str = "", worker: bool = True) -> Stack:
+        """``store``: "redis", "sqlite" or a lease store URL."""
         stack = Stack(redis_server, store, tmp_path, inner)
         stacks.append(stack)
-        stack.worker.start()
+        if worker:
+            stack.worker.start()
         return stack
 
     yield make
@@ -232,7 +241,95 @@ def test_a_leader_whose_lease_is_taken_stops_sending_and_logs_an_error(make_stac
     assert "ERROR" in beat.output() and "stops sending" in beat.output()
 
 
-# --- configuration, checked when beat starts --------------------------------------------
+# --- the Celery PersistentScheduler, driven in process ------------------------------------
+
+
+@pytest.fixture
+def local_app(memory_url):
+    """Beats with Celery's default PersistentScheduler (a local schedule file each)."""
+    app = Celery("local", set_as_current=False)
+    app.conf.update(
+        broker_url="memory://",
+        exclusive_backend_url=memory_url,
+        exclusive_beat_lease_ttl=3,
+        beat_schedule={"half-second": {"task": "tests.half_second", "schedule": 0.5}},
+    )
+    return app
+
+
+@pytest.fixture
+def sent():
+    """Names of the tasks published, in order."""
+    names: list[str] = []
+
+    def record(sender=None, **kwargs):
+        names.append(sender)
+
+    before_task_publish.connect(record, weak=False)
+    yield names
+    before_task_publish.disconnect(record)
+
+
+def test_run_counts_carry_over_from_one_leader_to_the_next(local_app, tmp_path, sent):
+    a = LeaderScheduler(local_app, schedule_filename=str(tmp_path / "a"))
+    run_due(a)  # leads; its new entry counts as run now
+    for _ in range(2):
+        time.sleep(0.55)
+        run_due(a)
+    die(a)
+    b = LeaderScheduler(local_app, schedule_filename=str(tmp_path / "b"))
+    run_due(b)
+    time.sleep(0.55)
+    run_due(b)
+    assert len(sent) >= 3
+    assert b.schedule["half-second"].total_run_count == len(sent)
+    a.close()
+    b.close()
+
+
+def test_a_follower_leaves_its_schedule_file_alone_until_it_leads(local_app, tmp_path):
+    leader = LeaderScheduler(local_app, schedule_filename=str(tmp_path / "leader"))
+    run_due(leader)
+    follower = LeaderScheduler(local_app, schedule_filename=str(tmp_path / "follower"))
+    run_due(follower)
+    follower.sync()
+    assert list(tmp_path.glob("follower*")) == []
+    leader.close()
+    run_due(follower)
+    assert list(tmp_path.glob("follower*")) != []
+    follower.close()
+
+
+# --- configuration and the lease store, checked when beat starts --------------------------
+
+
+def test_a_store_that_cannot_work_stops_beat_at_start_with_one_line(make_stack, tmp_path):
+    stack = make_stack(f"sqlite:///{tmp_path}", worker=False)  # a directory, not a file
+    beat = stack.beat("b1")
+    assert beat.process.wait(30) != 0
+    # The last line of the log, as Celery's logging prefixes what goes to stderr.
+    last = beat.output().strip().splitlines()[-1]
+    assert "celery-exclusive: ConfigurationError:" in last and "names a directory" in last
+    assert "Traceback" not in beat.output()
+
+
+def test_a_beat_started_while_its_store_is_down_warns_once_and_leads_when_it_answers(
+    make_stack,
+):
+    store = RedisServer()  # not started yet: nothing listens on its port
+    try:
+        stack = make_stack(store.url_for_db(1))
+        beat = stack.beat("b1")
+        beat.wait_for_log("does not answer at start", timeout=30)
+        time.sleep(3 * RETRY)  # several more attempts while it is down
+        store.start()
+        stack.wait_for_sends(beat.pid, 2, timeout=30)
+        warnings = [line for line in beat.output().splitlines() if "WARNING" in line]
+        assert len(warnings) == 1 and "sends nothing until it answers" in warnings[0]
+        assert "answers again" in beat.output()
+        assert "Traceback" not in beat.output()
+    finally:
+        store.cleanup()
 
 
 class NoRecordsBackend(MemoryBackend):
@@ -241,17 +338,17 @@ class NoRecordsBackend(MemoryBackend):
     stores_records = False
 
 
-def test_a_store_that_keeps_no_records_is_refused_at_start():
+def test_a_store_that_keeps_no_records_is_refused_at_start_with_one_line():
     register_scheme("norecords", "tests.test_beat:NoRecordsBackend")
     app = Celery("refuse", set_as_current=False)
     app.conf.exclusive_backend_url = "norecords://"
-    with pytest.raises(ConfigurationError, match="exclusive_beat_backend_url"):
+    with pytest.raises(SystemExit, match="ConfigurationError: .*exclusive_beat_backend_url"):
         LeaderScheduler(app, lazy=True)
 
 
-def test_an_inner_scheduler_that_cannot_be_imported_is_refused_at_start():
+def test_an_inner_scheduler_that_cannot_be_imported_is_refused_at_start_with_one_line():
     app = Celery("refuse", set_as_current=False)
     app.conf.exclusive_backend_url = "memory://"
     app.conf.exclusive_beat_scheduler = "no_such_module.schedulers:DatabaseScheduler"
-    with pytest.raises(ConfigurationError, match="exclusive_beat_scheduler"):
+    with pytest.raises(SystemExit, match="ConfigurationError: .*exclusive_beat_scheduler"):
         LeaderScheduler(app, lazy=True)

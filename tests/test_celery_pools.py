@@ -1,23 +1,34 @@
-"""Exclusion holds across pools and the ways Celery sends work."""
+"""Exclusion holds across pools and the ways Celery sends work.
+
+gevent and eventlet run many tasks on one thread: the heartbeat is a greenlet there,
+and every waiting or requeueing greenlet holds a broker connection, so those workers
+run with a pool larger than kombu's default of 10 (``max_connections``).
+"""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 from celery import chain, group
 
 from celery_exclusive import DuplicateSkipped
 from tests.apps import ledger as ledger_app
-from tests.cluster import Stack
+from tests.cluster import Stack, start_holding
 from tests.workers import overlaps, read_ledger
 
+GREENLET_POOLS = ("gevent", "eventlet")
 
-@pytest.fixture(scope="module", params=["threads", "solo", "prefork"])
+
+@pytest.fixture(scope="module", params=["threads", "solo", "prefork", *GREENLET_POOLS])
 def stack(request, redis_server, client_dbs, tmp_path_factory):
+    pool = request.param
     stack = Stack(redis_server, *client_dbs, "redis", tmp_path_factory)
-    concurrency = 1 if request.param == "solo" else 4
+    stack.pool = pool
+    concurrency = {"solo": 1, "gevent": 20, "eventlet": 20}.get(pool, 4)
+    env = {"max_connections": 100} if pool in GREENLET_POOLS else {}
     workers = [
-        stack.worker(f"{request.param}{i}", pool=request.param, concurrency=concurrency)
-        for i in range(2)
+        stack.worker(f"{pool}{i}", pool=pool, concurrency=concurrency, env=env) for i in range(2)
     ]
     with stack.running(*workers):
         yield stack
@@ -29,6 +40,25 @@ def test_runs_of_one_key_never_overlap(cluster):
     entries = read_ledger(cluster.ledger)
     assert len(entries) == 40
     assert overlaps(entries) == []
+
+
+def test_waiting_duplicates_all_run_once_and_never_overlap(cluster):
+    results = [ledger_app.hold_wait.delay(f"w{i % 3}", 0.02) for i in range(30)]
+    assert all(r.get(timeout=60) for r in results)
+    entries = read_ledger(cluster.ledger)
+    assert sorted(e["task_id"] for e in entries) == sorted(r.id for r in results)
+    assert overlaps(entries) == []
+
+
+def test_a_body_running_three_ttls_keeps_its_lease(cluster):
+    if cluster.pool == "prefork":
+        pytest.skip("covered by test_celery_workers")
+    holder = start_holding(ledger_app.hold_skip, "long", cluster.ttl * 3, cluster)
+    time.sleep(cluster.ttl * 2)
+    with pytest.raises(DuplicateSkipped):
+        ledger_app.hold_skip.delay("long", 0).get(timeout=10)
+    assert holder.get(timeout=30)["lost"] is False
+    assert [e["task_id"] for e in read_ledger(cluster.ledger)] == [holder.id]
 
 
 def test_acks_late_tasks_are_excluded_and_released(cluster):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -39,25 +40,40 @@ def run(store: str, *args: str, input: str | None = None):
     return CliRunner().invoke(exclusive, ["--backend", store, *args], input=input)
 
 
-def test_ls_shows_each_lease_with_its_holder_and_token(store, held):
+def test_ls_shows_each_lease_with_its_task_holder_and_token(store, held):
     result = run(store, "ls")
     assert result.exit_code == 0, result.output
     header, *rows = result.output.splitlines()
     assert header.split() == [
-        "key",
-        "task",
-        "id",
-        "hostname",
-        "pid",
-        "age",
-        "expires",
-        "in",
-        "fencing",
-        "token",
-        "marks",
+        "KEY",
+        "TASK",
+        "TASK",
+        "ID",
+        "HOST",
+        "PID",
+        "ACQUIRED",
+        "EXPIRES",
+        "TOKEN",
+        "MARKS",
     ]
     assert [row.split()[0] for row in rows] == ["exclusive:invoice:7", "exclusive:invoice:8"]
-    assert "task-7" in rows[0] and str(os.getpid()) in rows[0]
+    assert rows[0].split()[1:3] == ["billing.settle", "task-7"]
+    assert str(os.getpid()) in rows[0]
+
+
+def test_ls_shows_times_as_people_read_them(store, held):
+    row = run(store, "ls").output.splitlines()[1]
+    assert re.search(r"  \d+\.\ds ago  in (29|30)\.\ds  ", row), row
+
+
+def test_inspect_shows_when_the_lease_was_taken_as_local_time_not_an_epoch(store, held):
+    output = run(store, "inspect", "invoice:7").output
+    acquired = next(line for line in output.splitlines() if "acquired_at" in line)
+    assert re.fullmatch(
+        r"  acquired_at: \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d\d:\d\d \(\d+\.\ds ago\)",
+        acquired,
+    ), acquired
+    assert "expires: in " in output
 
 
 def test_ls_json_gives_every_field(store, held):
@@ -142,3 +158,77 @@ def test_the_standalone_command_needs_a_store():
     result = CliRunner().invoke(exclusive, ["ls"], env={"EXCLUSIVE_BACKEND_URL": ""})
     assert result.exit_code == 2
     assert "--backend" in result.output
+
+
+#: Keys a store accepts that would break a table: a newline, an escape sequence, a tab, a
+#: key of 300 wide characters, an empty-looking line separator.
+ODD_KEYS = [
+    "exclusive:line\nbreak",
+    "exclusive:\x1b[31mred\x1b[0m\ttab",
+    "exclusive:" + "請求書" * 100,
+    "exclusive:sep\u2028arator",
+]
+
+
+@pytest.fixture
+def odd_keys_held(store):
+    backend = backend_for_url(store)
+    leases = [
+        acquire(backend, key, 30, name="odd", task_id=f"t{i}") for i, key in enumerate(ODD_KEYS)
+    ]
+    yield
+    for lease in leases:
+        lease.release()
+
+
+def test_ls_shows_one_line_per_key_whatever_the_key_holds(store, odd_keys_held):
+    lines = run(store, "ls").output.splitlines()
+    assert len(lines) == 1 + len(ODD_KEYS)
+    shown = sorted(line.split("  ")[0].strip() for line in lines[1:])
+    assert shown == sorted(
+        [
+            "exclusive:line\\nbreak",
+            "exclusive:\\x1b[31mred\\x1b[0m\\ttab",
+            "exclusive:" + "請求書" * 8 + "…",  # 59 columns: the 60th would not fit
+            "exclusive:sep\\u2028arator",
+        ]
+    )
+    assert "\x1b" not in "".join(lines)
+
+
+def test_ls_json_gives_odd_keys_exactly(store, odd_keys_held):
+    rows = json.loads(run(store, "ls", "--json").output)
+    assert sorted(row["key"] for row in rows) == sorted(ODD_KEYS)
+
+
+def test_inspect_and_release_show_an_odd_key_on_one_line(store, odd_keys_held):
+    output = run(store, "inspect", ODD_KEYS[0]).output
+    assert output.splitlines()[0] == "exclusive:line\\nbreak: held by 1"
+    output = run(store, "release", ODD_KEYS[0], "--yes").output
+    assert output == "released exclusive:line\\nbreak: 1 lease(s), held by task t0 on " + (
+        f"{backend_for_url(store).holders_of(ODD_KEYS[1])[0].holder['hostname']}\n"
+    )
+
+
+def test_a_missing_client_library_is_one_line_naming_the_extra(tmp_path):
+    """As on a machine where redis-py is not installed: importing it fails."""
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['redis'] = None\n")
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from celery_exclusive.cli import main; main()",
+            "--backend",
+            "redis://127.0.0.1:1/0",
+            "ls",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"},
+    )
+    assert out.returncode == 1
+    assert out.stdout == ""
+    assert out.stderr.count("\n") == 1, out.stderr
+    assert "pip install 'celery-exclusive[redis]'" in out.stderr
+    assert out.stderr.startswith("Error: exclusive_backend_url uses redis://")

@@ -15,7 +15,6 @@ import signal
 import time
 
 import pytest
-import redis
 
 from celery_exclusive import DuplicateCoalesced, backend_for_url, marks
 from tests.apps import ledger as ledger_app
@@ -97,6 +96,26 @@ def test_the_pending_rerun_still_runs_when_the_holder_is_killed(cluster):
     assert len(read_ledger(cluster.ledger)) == 1  # the killed holder recorded nothing
 
 
+def test_a_duplicate_takes_the_place_of_a_pending_rerun_whose_worker_died(cluster):
+    # No acks_late: the message of a pending rerun whose worker dies is gone for good.
+    holder = start_holding(ledger_app.webhook, "calendar", 8, cluster, args=(0,))
+    pending = ledger_app.webhook.delay("calendar", 1)
+    store = backend_for_url(cluster.store)
+    assert wait_until(lambda: marks.pending_rerun(store, "exclusive:calendar") == pending.id, 10)
+    waiter = next(
+        s["pid"]
+        for s in map(json.loads, cluster.ledger.lrange("signals", 0, -1))
+        if s["task_id"] == pending.id and s.get("policy") == "rerun"
+    )
+    os.kill(waiter, signal.SIGKILL)
+    time.sleep(cluster.ttl + 0.5)  # its place in the line lapses
+    follow_up = ledger_app.webhook.delay("calendar", 2)
+    ran = follow_up.get(timeout=30)
+    assert ran["version"] == 2
+    assert ran["start"] >= holder.get(timeout=10)["end"]
+    assert versions(cluster) == [0, 2]
+
+
 # --- priority handoff -------------------------------------------------------------------
 
 
@@ -116,15 +135,15 @@ def test_a_priority_caller_gets_the_key_next_despite_ten_requeueing_contenders(c
 def test_a_priority_callers_turn_lapses_when_it_dies(cluster):
     start_holding(ledger_app.hold_skip, "report", 30, cluster)
     urgent = ledger_app.nightly.delay("report", 0)
-    store = redis.Redis.from_url(cluster.store)
-    assert wait_until(lambda: store.get("exclusive:report:~line"), timeout=10)
+    store = backend_for_url(cluster.store)
+    assert wait_until(lambda: store.read_mark("exclusive:report", "line"), timeout=10)
     reserver = next(
         s["pid"]
         for s in map(json.loads, cluster.ledger.lrange("signals", 0, -1))
         if s["task_id"] == urgent.id and s.get("policy") == "priority"
     )
     os.kill(reserver, signal.SIGKILL)
-    assert wait_until(lambda: not store.get("exclusive:report:~line"), cluster.ttl + 1)
+    assert wait_until(lambda: not store.read_mark("exclusive:report", "line"), cluster.ttl + 1)
 
 
 # --- first come, first served -----------------------------------------------------------

@@ -79,12 +79,34 @@ def test_an_eager_requeue_waits_for_the_holder_instead(app):
 
 
 def test_a_direct_call_is_exclusive_too(app):
+    held, release = threading.Event(), threading.Event()
+
+    @app.task(base=ExclusiveTask, exclusive_key="k")
+    def hold(wait):
+        if wait:
+            held.set()
+            release.wait(5)
+        return "ran"
+
+    holder = threading.Thread(target=hold, args=(True,))
+    holder.start()
+    held.wait(5)
+    try:
+        with pytest.raises(DuplicateSkipped):
+            hold(False)
+    finally:
+        release.set()
+        holder.join()
+
+
+def test_a_direct_call_on_the_key_its_caller_holds_is_re_entrant(app):
     @app.task(base=ExclusiveTask, bind=True, exclusive_key="k")
     def nested(self, depth):
-        return nested(depth - 1) if depth else "bottom"
+        token = self.lease.fencing_token
+        return [token, *nested(depth - 1)] if depth else [token]
 
-    with pytest.raises(DuplicateSkipped):
-        nested(1)
+    assert nested(2) == [1, 1, 1]
+    assert nested.delay(1).get() == [2, 2]
 
 
 def test_a_key_that_cannot_be_built_fails_the_call_naming_the_argument(app):
@@ -96,3 +118,30 @@ def test_a_key_that_cannot_be_built_fails_the_call_naming_the_argument(app):
         settle.delay(7).get()
     assert info.value.argument == "invoice_id"
     assert "settle" in str(info.value)
+
+
+def test_self_lease_says_it_is_unlocked_when_the_store_is_down_and_calls_run(app):
+    from tests.servers import free_port
+
+    app.conf.update(
+        exclusive_backend_url=f"redis://127.0.0.1:{free_port()}/0",
+        exclusive_on_backend_error="run",
+    )
+
+    @app.task(base=ExclusiveTask, bind=True, exclusive_key="invoice:{n}")
+    def settle(self, n):
+        self.lease.ensure_held()  # the documented pattern keeps working: no lease to check
+        return self.lease.key, self.lease.held, self.lease.fencing_token, self.lease.lost
+
+    assert settle.delay(7).get() == ("exclusive:invoice:7", False, None, False)
+
+
+def test_a_key_naming_no_argument_is_refused_when_the_task_is_sent():
+    app = Celery("sender", broker="memory://", set_as_current=False)
+
+    @app.task(base=ExclusiveTask, exclusive_key="invoice:{invoice}")
+    def settle(invoice_id):
+        pass
+
+    with pytest.raises(ExclusiveKeyError, match="'invoice'"):
+        settle.delay(7)

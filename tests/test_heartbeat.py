@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from celery_exclusive import LeaseLost, lease_lost
-from celery_exclusive.backends.redis import RedisBackend
+from celery_exclusive.backends.redis import RedisBackend, layout
 from celery_exclusive.lease import acquire, heartbeat
 from tests.servers import RedisServer
 
@@ -35,7 +35,7 @@ def test_one_beat_renews_every_held_lease_in_one_round_trip(store, redis_server)
     before = evalsha_calls(store.client)
     heartbeat().beat()
     assert evalsha_calls(store.client) - before == 1
-    assert all(store.client.pttl(lease.key) > 29_000 for lease in leases)
+    assert all(store.client.pttl(layout.lease(lease.key)) > 29_000 for lease in leases)
 
 
 def test_a_lease_outlives_its_ttl_while_the_heartbeat_runs(store):
@@ -130,3 +130,28 @@ def test_a_lease_unrenewed_for_a_whole_ttl_is_lost_before_the_heartbeat_looks(st
     assert lease.lost
     with pytest.raises(LeaseLost, match="not renewed for 30.0s"):
         lease.ensure_held()
+
+
+def test_a_lease_found_gone_at_release_is_flagged_lost_and_signalled(store):
+    lease = acquire(store, "k", ttl=30, name="t", task_id="t-1")
+    store.force_release("k")  # as a failover that lost the grant, or an operator, would
+    received = []
+
+    def receiver(sender, **kwargs):
+        received.append(kwargs["reason"])
+
+    lease_lost.connect(receiver)
+    try:
+        assert lease.release() is False
+    finally:
+        lease_lost.disconnect(receiver)
+    assert lease.lost and "no longer had it when its holder released it" in lease.lost_reason
+    assert len(received) == 1
+    with pytest.raises(LeaseLost):
+        lease.ensure_held()
+
+
+def test_a_lease_released_while_held_is_not_flagged_lost(store):
+    lease = acquire(store, "k", ttl=30, name="t")
+    assert lease.release() is True
+    assert not lease.lost

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import datetime
+import decimal
+import pickle
 import uuid
 
 import pytest
+from celery.app.task import Context
 
 from celery_exclusive.errors import ExclusiveKeyError
-from celery_exclusive.keys import MAX_KEY_LENGTH, build_key, check_key_spec
+from celery_exclusive.keys import MAX_KEY_LENGTH, build_key, canonical_text, check_key_spec
 
 
 def settle(invoice_id, currency="EUR", *, dry_run=False):
@@ -47,6 +50,94 @@ def test_dates_uuids_and_sets_have_canonical_keys():
     )
 
 
+def test_bytes_can_be_part_of_a_key():
+    assert build_key("t", settle, None, (b"\x00\xff7",), {}) == (
+        't:{"currency":"EUR","dry_run":false,"invoice_id":bytes("\\u0000\\u00ff7")}'
+    )
+
+
+#: Values that look alike but are different calls: each must get a key of its own.
+LOOKALIKES = [
+    b"7",
+    "7",
+    7,
+    7.0,
+    [7],
+    {"7": 7},
+    {7},
+    datetime.date(2026, 1, 2),
+    "2026-01-02",
+    datetime.datetime(2026, 1, 2),
+    datetime.time(1, 2),
+    datetime.timedelta(days=1),
+    decimal.Decimal("7"),
+    uuid.UUID(int=7),
+    str(uuid.UUID(int=7)),
+    'bytes("7")',
+    None,
+    "null",
+    ValueError("7"),
+]
+
+
+def test_values_of_different_types_never_share_a_key():
+    texts = [canonical_text(value) for value in LOOKALIKES]
+    assert len(set(texts)) == len(LOOKALIKES), texts
+
+
+def test_every_value_celerys_serializers_carry_has_one_text_whatever_its_round_trip():
+    from kombu.utils.json import dumps, loads
+
+    call = [
+        b"\x00\xffbinary",
+        b"text",
+        datetime.datetime(2026, 1, 2, 3, 4, tzinfo=datetime.timezone.utc),
+        datetime.date(2026, 1, 2),
+        datetime.time(3, 4, 5),
+        decimal.Decimal("1.10"),
+        uuid.UUID(int=7),
+        (1, 2),
+        {1: "int key", "b": None},
+    ]
+    assert canonical_text(loads(dumps(call))) == canonical_text(call)
+    assert canonical_text(pickle.loads(pickle.dumps(call))) == canonical_text(call)
+
+
+def test_a_mapping_is_written_in_key_order_whatever_its_insertion_order():
+    assert canonical_text({"b": 1, "a": [b"x", {"d": 2, "c": 3}]}) == canonical_text(
+        {"a": [b"x", {"c": 3, "d": 2}], "b": 1}
+    )
+
+
+def test_a_value_with_kombus_json_hook_is_keyed_as_kombu_sends_it():
+    class Money:
+        def __json__(self):
+            return {"amount": "1.10", "currency": "EUR"}
+
+    assert canonical_text(Money()) == canonical_text({"amount": "1.10", "currency": "EUR"})
+
+
+def test_a_new_style_errback_call_is_keyed_on_the_failed_request():
+    def on_error(request, exc, traceback):
+        pass
+
+    def key(task_id, exc):
+        return build_key("t", on_error, None, (Context(id=task_id), exc, "Traceback ..."), {})
+
+    assert key("a", ValueError("boom")) == key("a", ValueError("boom"))
+    assert key("a", ValueError("boom")) != key("b", ValueError("boom"))
+    assert key("a", ValueError("boom")) != key("a", KeyError("boom"))
+
+
+def test_a_format_key_can_name_attributes_of_an_errbacks_request():
+    def on_error(request, exc, traceback):
+        pass
+
+    request = Context(id="a", task="billing.settle")
+    call = (request, ValueError("boom"), None)
+    assert build_key("t", on_error, "errors:{request.task}", call, {}) == "errors:billing.settle"
+
+
 def test_a_format_string_is_filled_from_bound_arguments_including_defaults():
     assert build_key("t", settle, "invoice:{invoice_id}:{currency}", (7,), {}) == "invoice:7:EUR"
 
@@ -60,12 +151,21 @@ def test_a_callable_key_gets_the_raw_args_and_kwargs():
     assert build_key("t", settle, spec, (7,), {"currency": "USD"}) == "inv-7-USD"
 
 
-def test_a_missing_argument_names_the_task_and_the_argument():
-    with pytest.raises(ExclusiveKeyError) as info:
-        build_key("billing.settle", settle, None, (), {})
-    assert info.value.task == "billing.settle"
-    assert info.value.argument == "invoice_id"
-    assert "billing.settle" in str(info.value)
+@pytest.mark.parametrize(
+    "call",
+    [((), {}), ((7, "EUR", "extra"), {}), ((7,), {"wrong_arg": 5})],
+    ids=["missing", "too many", "unexpected keyword"],
+)
+@pytest.mark.parametrize("spec", [None, "invoice:{invoice_id}", lambda a, k: "k"], ids=repr)
+def test_a_call_that_does_not_match_the_signature_raises_the_type_error_a_call_would(call, spec):
+    args, kwargs = call
+    with pytest.raises(TypeError) as expected:
+        settle(*args, **kwargs)
+    with pytest.raises(TypeError) as info:
+        build_key("billing.settle", settle, spec, args, kwargs)
+    assert type(info.value) is TypeError
+    assert str(info.value).startswith("settle() ")
+    assert str(expected.value).startswith("settle() ")
 
 
 def test_an_unserializable_argument_is_named_not_replaced_by_a_global_lock():

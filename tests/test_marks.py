@@ -7,7 +7,7 @@ import time
 import pytest
 
 from celery_exclusive import marks
-from celery_exclusive.backends.line import line_mark
+from celery_exclusive.backends.line import LINE
 
 
 @pytest.fixture
@@ -50,6 +50,40 @@ def test_only_the_pending_rerun_can_take_it_and_only_once(store):
     assert marks.join_rerun(store, "k", "later", "a9", 10) == "later"
 
 
+#: How long a pending rerun counts as alive in the tests below, and a wait past it.
+ALIVE_FOR, PAST_IT = 0.3, 0.6
+
+
+def test_a_duplicate_takes_the_place_of_a_pending_rerun_that_is_no_longer_alive(store):
+    marks.join_rerun(store, "k", "dead", "a1", 10, alive_for=ALIVE_FOR)
+    time.sleep(PAST_IT)  # it never stood in line, nor was it requeued
+    assert marks.join_rerun(store, "k", "next", "a2", 10, alive_for=ALIVE_FOR) == "next"
+    assert marks.take_rerun(store, "k", "dead") is None
+    assert marks.take_rerun(store, "k", "next") == "a2"
+
+
+def test_a_pending_rerun_standing_in_line_stays_pending(store):
+    marks.join_rerun(store, "k", "waiting", "a1", 10, alive_for=ALIVE_FOR)
+    marks.take_place(store, "k", "waiting", 10)
+    time.sleep(PAST_IT)
+    assert marks.join_rerun(store, "k", "later", "a2", 10, alive_for=ALIVE_FOR) == "waiting"
+
+
+def test_a_pending_rerun_away_on_a_requeue_stays_pending_until_it_is_due_back(store):
+    marks.join_rerun(store, "k", "away", "a1", 10, alive_for=ALIVE_FOR)
+    assert marks.rerun_away(store, "k", "away", PAST_IT * 2, 10) == "away"
+    time.sleep(PAST_IT)
+    assert marks.join_rerun(store, "k", "later", "a2", 10, alive_for=ALIVE_FOR) == "away"
+    time.sleep(PAST_IT * 1.5)
+    assert marks.join_rerun(store, "k", "later", "a2", 10, alive_for=ALIVE_FOR) == "later"
+
+
+def test_only_the_pending_rerun_itself_can_say_it_is_away(store):
+    marks.join_rerun(store, "k", "pending", "a1", 10)
+    assert marks.rerun_away(store, "k", "other", 10, 10) == "pending"
+    assert marks.rerun_away(store, "empty", "other", 10, 10) is None
+
+
 def test_waiters_stand_in_line_in_the_order_they_came(store):
     assert [marks.take_place(store, "k", c, 10) for c in ("a", "b", "c")] == [0, 1, 2]
     assert marks.line_of(store, "k") == ["a", "b", "c"]
@@ -83,7 +117,7 @@ def test_leaving_the_line_lets_the_next_one_move_up(store):
     marks.leave_line(store, "k", "a")
     assert marks.line_of(store, "k") == ["b"]
     marks.leave_line(store, "k", "b")
-    assert store.read_mark(line_mark("k")) is None
+    assert store.read_mark("k", LINE) is None
 
 
 def test_a_line_lapses_when_all_its_waiters_stop_renewing(store, backend_case):
@@ -93,8 +127,8 @@ def test_a_line_lapses_when_all_its_waiters_stop_renewing(store, backend_case):
 
 
 def test_an_enqueue_mark_names_the_task_already_queued_until_cleared(store):
-    assert marks.claim_mark(store, "k:~queued", "t1", 10) == "t1"
-    assert marks.claim_mark(store, "k:~queued", "t2", 10) == "t1"
-    assert marks.clear_mark(store, "k:~queued", "t2") is False
-    assert marks.clear_mark(store, "k:~queued", "t1") is True
-    assert marks.claim_mark(store, "k:~queued", "t2", 10) == "t2"
+    assert marks.claim_mark(store, "k", marks.QUEUED, "t1", 10) == "t1"
+    assert marks.claim_mark(store, "k", marks.QUEUED, "t2", 10) == "t1"
+    assert marks.clear_mark(store, "k", marks.QUEUED, "t2") is False
+    assert marks.clear_mark(store, "k", marks.QUEUED, "t1") is True
+    assert marks.claim_mark(store, "k", marks.QUEUED, "t2", 10) == "t2"

@@ -57,7 +57,7 @@ def test_a_redis_broker_is_the_default_lease_store():
     assert settings_of({"broker_url": url}).backend_url == url
 
 
-def test_other_brokers_default_to_a_sqlite_file_for_one_host():
+def test_other_brokers_default_to_a_sqlite_file_private_to_the_app():
     assert settings_of({"broker_url": "amqp://guest@localhost//"}).backend_url.startswith(
         "sqlite:///"
     )
@@ -68,11 +68,11 @@ def test_other_brokers_default_to_a_sqlite_file_for_one_host():
     [
         ("on_duplicate", "drop", "'skip', 'requeue', 'wait', 'rerun'"),
         ("on_backend_error", "ignore", "'requeue', 'run'"),
-        ("on_lease_lost", "panic", "'log', 'abort'"),
+        ("on_lease_lost", "panic", "'terminate', 'abort', 'log'"),
         ("lease_ttl", 0, "positive number of seconds"),
         ("lease_ttl", "soon", "positive number of seconds"),
         ("limit", 0, "whole number of at least 1"),
-        ("backend_url", "mongodb://x", "redis://"),
+        ("backend_url", "nosuchstore://x", "redis://"),
     ],
 )
 def test_a_bad_value_names_the_setting_and_the_allowed_values(name, value, allowed):
@@ -92,3 +92,24 @@ def test_a_worker_with_a_bad_setting_refuses_to_start_and_says_why():
     assert "exclusive_on_duplicate='drop' is not allowed" in output
     assert "'skip', 'requeue', 'wait', 'rerun'" in output
     assert "Traceback" not in output
+
+
+def test_a_misspelt_task_setting_is_refused_with_the_likely_name():
+    with pytest.raises(ConfigurationError) as info:
+        settings_of({}, exclusive_lease_tll=5)
+    assert "exclusive_lease_tll is not a celery-exclusive setting" in str(info.value)
+    assert "did you mean exclusive_lease_ttl?" in str(info.value)
+
+
+def test_every_setting_is_a_task_attribute_defaulting_to_the_app_setting():
+    from celery_exclusive.config import NAMES
+
+    assert all(getattr(ExclusiveTask, f"exclusive_{name}") is None for name in NAMES)
+
+
+def test_the_default_store_is_named_after_the_app_and_the_user(monkeypatch, tmp_path):
+    import os
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    url = settings_of({"broker_url": "amqp://guest@localhost//"}).backend_url
+    assert url == f"sqlite:///{tmp_path}/celery-exclusive/settings-uid{os.getuid()}.sqlite3"

@@ -1,4 +1,4 @@
-"""Real ``celery worker`` processes for end-to-end tests."""
+"""Real ``celery worker`` and ``rq worker`` processes for end-to-end tests."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 from tests.servers import kill_tree
@@ -121,6 +122,54 @@ class Worker(LoggedProcess):
             *extra,
         ]
         super().__init__(args, env, f"worker-{name}")
+
+
+#: The job class of RQ workers under test, as users name it to ``rq worker --job-class``.
+JOB_CLASS = "celery_exclusive.rq.ExclusiveJob"
+
+
+class RQWorker(LoggedProcess):
+    """One ``rq worker`` subprocess (using ExclusiveJob unless told otherwise), its log
+    in a file."""
+
+    ready_text = "Listening on"
+
+    def __init__(
+        self,
+        url: str,
+        queue: str,
+        name: str,
+        scheduler: bool = True,
+        env=None,
+        job_class: str | None = JOB_CLASS,
+        extra: tuple = (),
+    ):
+        args = [
+            sys.executable,
+            "-m",
+            "rq.cli",
+            "worker",
+            "--url",
+            url,
+            *(["--job-class", job_class] if job_class else []),
+            "--name",
+            f"{name}-{uuid.uuid4().hex[:8]}",
+            "--logging_level",
+            "INFO",
+            *(["--with-scheduler"] if scheduler else []),
+            *extra,
+            queue,
+        ]
+        super().__init__(args, env or {}, f"rq-{name}")
+        self.name = args[args.index("--name") + 1]
+
+    def wait_ready(self, timeout: float = 30) -> RQWorker:
+        self.wait_for_log(self.ready_text, timeout)
+        return self
+
+    def stop(self) -> int:
+        # The whole group: a work horse still running a long job goes too.
+        return super().stop(signal.SIGTERM, timeout=15, group=True)
 
 
 def read_ledger(client) -> list[dict]:

@@ -1,8 +1,15 @@
 """Lease stores, chosen by URL scheme.
 
-A new backend registers its scheme here and nothing else changes. Backends are
-imported only when their scheme is used, so ``redis`` or ``consul`` need not be
-installed by users of the other stores.
+Every store, built-in or third-party, is declared the same way: an entry point in the
+group ``celery_exclusive.backends`` whose name is the URL scheme and whose value is
+the backend class, with the extra that installs its client in brackets::
+
+    [project.entry-points."celery_exclusive.backends"]
+    postgresql = "celery_exclusive.backends.postgresql:PostgreSQLBackend [postgresql]"
+
+:func:`register_scheme` adds or replaces a scheme at run time. Backends are imported
+only when their scheme is used, so a user of one store need not install the clients
+of the others.
 """
 
 from __future__ import annotations
@@ -10,34 +17,55 @@ from __future__ import annotations
 import importlib
 import os
 import threading
+from importlib.metadata import entry_points
+from typing import Optional
 from urllib.parse import urlsplit
 
 from ..errors import ConfigurationError
 from .base import Backend, Lease, LeaseInfo
 
-__all__ = ["Backend", "Lease", "LeaseInfo", "backend_for_url", "register_scheme", "SCHEMES"]
+__all__ = [
+    "Backend",
+    "Lease",
+    "LeaseInfo",
+    "ENTRY_POINT_GROUP",
+    "SCHEMES",
+    "backend_for_url",
+    "register_scheme",
+]
+
+#: The entry point group stores are declared in.
+ENTRY_POINT_GROUP = "celery_exclusive.backends"
+
+
+def _declared() -> tuple[dict[str, str], dict[str, str]]:
+    """Schemes -> ``"module:Class"``, and schemes -> the extra that installs their client,
+    from every installed distribution's entry points."""
+    schemes, extras = {}, {}
+    for entry in entry_points(group=ENTRY_POINT_GROUP):
+        schemes[entry.name] = entry.value.split("[")[0].strip()
+        if entry.extras:
+            extras[entry.name] = entry.extras[0]
+    return schemes, extras
+
 
 #: URL scheme -> "module:Class" of the backend that serves it.
-SCHEMES: dict[str, str] = {
-    "redis": "celery_exclusive.backends.redis:RedisBackend",
-    "rediss": "celery_exclusive.backends.redis:RedisBackend",
-    "redis+sentinel": "celery_exclusive.backends.redis:RedisBackend",
-    "consul": "celery_exclusive.backends.consul:ConsulBackend",
-    "consuls": "celery_exclusive.backends.consul:ConsulBackend",
-    "sqlite": "celery_exclusive.backends.sqlite:SQLiteBackend",
-    "memory": "celery_exclusive.backends.memory:MemoryBackend",
-}
-
-#: Which extra installs the client a scheme needs.
-_EXTRAS = {"redis": "redis", "rediss": "redis", "redis+sentinel": "redis", "consul": "consul"}
+SCHEMES, _EXTRAS = _declared()
 
 _instances: dict[tuple[int, str], Backend] = {}
 _instances_lock = threading.Lock()
 
 
-def register_scheme(scheme: str, target: str) -> None:
-    """Serve ``scheme://`` URLs with the backend class at ``"module:Class"``."""
+def register_scheme(scheme: str, target: str, extra: Optional[str] = None) -> None:
+    """Serve ``scheme://`` URLs with the backend class at ``"module:Class"``.
+
+    ``extra`` names the ``pip install`` extra that installs its client, for the error
+    a user sees when it is missing. Prefer an entry point in ``celery_exclusive.backends``
+    for a store shipped as a package: it is found without an import.
+    """
     SCHEMES[scheme] = target
+    if extra is not None:
+        _EXTRAS[scheme] = extra
 
 
 def backend_for_url(url: str) -> Backend:
@@ -68,7 +96,9 @@ def _load(url: str) -> Backend:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        extra = _EXTRAS.get(scheme.rstrip("s") if scheme == "consuls" else scheme, scheme)
+        extra = _EXTRAS.get(scheme)
+        if extra is None:
+            raise
         raise ConfigurationError(
             f"exclusive_backend_url uses {scheme}:// but its client is not installed "
             f"({exc}); install it with: pip install 'celery-exclusive[{extra}]'."

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import time
+import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -84,7 +85,7 @@ class Backend(abc.ABC):
         ``holder`` is stored beside the lease for ``holders()`` (task id, hostname,
         pid, acquired_at). Returns None when the key is full.
 
-        The key's line (the mark :func:`~.line.line_mark` of ``key``) decides who may
+        The key's line (its mark of kind :data:`~.line.LINE`) decides who may
         take a free slot: ``claimant`` only if it stands among the first free entries
         (see :func:`~.line.admit`), and the grant takes it out of the line. The check
         and the grant are one atomic step, so nobody slips in ahead of the line.
@@ -123,18 +124,21 @@ class Backend(abc.ABC):
     #: beat scheduler refuses, at start, a store that cannot keep its records).
     stores_records: bool = False
 
-    def read_record(self, key: str) -> Optional[str]:
-        """The value last written to record ``key``, or None if it was never written.
+    def read_record(self, lease_key: str, name: str) -> Optional[str]:
+        """The value last written to record ``name`` of ``lease_key``, or None.
 
-        Records are small strings kept beside the leases and never expire. Only a
-        lease holder can write one (:meth:`write_record`), so a record tells whoever
-        holds the lease next exactly what the previous holders did: the beat leader
-        keeps each schedule entry's last run time in one.
+        Records are small strings kept beside a lease key and never expire. Only a
+        holder of that key can write one (:meth:`write_record`), so a record tells
+        whoever holds the key next exactly what the previous holders did: the beat
+        leader keeps each schedule entry's last run in one, named after the entry.
+        A record belongs to its lease key: a store keeps the two together (one hash
+        slot, one transaction) and apart from every other key's records and leases.
         """
         raise NotImplementedError(self._no_records("read_record"))
 
-    def write_record(self, lease: Lease, key: str, value: str) -> bool:
-        """Set record ``key`` to ``value`` if ``lease`` is still held; False if it is not.
+    def write_record(self, lease: Lease, name: str, value: str) -> bool:
+        """Set record ``name`` of ``lease.key`` to ``value`` if ``lease`` is still held;
+        False if it is not.
 
         The check and the write are one atomic step in the store (a fenced write): a
         holder whose lease expired or was taken can never overwrite what the new holder
@@ -154,19 +158,24 @@ class Backend(abc.ABC):
     #: reruns and enqueue-time dedup need them).
     stores_marks: bool = False
 
-    def read_mark(self, name: str) -> Optional[str]:
-        """The live value of mark ``name``, or None if it is absent or expired.
+    def read_mark(self, key: str, kind: str) -> Optional[str]:
+        """The live value of the ``kind`` mark of ``key``, or None if absent or expired.
 
-        Marks are small strings with a ttl, kept beside the leases: a pending rerun, a
-        key's line of waiters, a "queued" flag. Unlike records, anybody may
-        change them, but only by :meth:`swap_mark`.
+        Marks are small strings with a ttl, kept beside a lease key: its line of
+        waiters (``kind`` "line"), its pending rerun, a "queued" flag. ``kind`` is a
+        short lowercase word. The store names a mark from both parts so that no key,
+        whatever its characters, can reach another key's marks or a lease. Unlike
+        records, anybody may change a mark, but only by :meth:`swap_mark`.
         """
         raise NotImplementedError(self._no_marks("read_mark"))
 
-    def swap_mark(self, name: str, expected: Optional[str], new: Optional[str], ttl: float) -> bool:
-        """If mark ``name`` holds ``expected`` (None: absent or expired), set it to ``new``
-        for ``ttl`` seconds (None: delete it) and return True; else change nothing and
-        return False. One atomic compare-and-swap, from which the policies build the rest.
+    def swap_mark(
+        self, key: str, kind: str, expected: Optional[str], new: Optional[str], ttl: float
+    ) -> bool:
+        """If the ``kind`` mark of ``key`` holds ``expected`` (None: absent or expired),
+        set it to ``new`` for ``ttl`` seconds of the store's clock (None: delete it) and
+        return True; else change nothing and return False. One atomic compare-and-swap,
+        from which the policies build the rest.
         """
         raise NotImplementedError(self._no_marks("swap_mark"))
 
@@ -176,6 +185,39 @@ class Backend(abc.ABC):
             "the wait and rerun policies, exclusive_priority and exclusive_scope='enqueue' "
             "need. Use a redis://, sqlite:// or memory:// store for those tasks."
         )
+
+    def store_time(self) -> float:
+        """Now, by the store's clock, in seconds since the epoch.
+
+        Whatever callers make expire by a timestamp (a waiter's place in line) is
+        stamped with this, never with the worker's clock: workers' clocks disagree,
+        the store's is one. Stores that share the host's clock (SQLite, memory) keep
+        this default.
+        """
+        return time.time()
+
+    def check(self, probe_key: str) -> list[str]:
+        """Check, once at worker (or beat) start, that leases can be kept here.
+
+        Raises :class:`~celery_exclusive.errors.ConfigurationError` for a problem that
+        retrying cannot fix (authentication, permissions, TLS, topology, a path that
+        cannot be written) and :class:`BackendUnavailable` when the store does not
+        answer; returns warnings to log (a store that forgets its state on restart).
+
+        This default takes, renews and releases ``probe_key`` and swaps one of its
+        marks: every kind of write a worker makes. Stores add what only they can see.
+        """
+        lease = self.try_acquire(
+            probe_key, uuid.uuid4().hex, 10.0, holder={"task": "celery-exclusive check"}
+        )
+        if lease is not None:
+            self.renew([lease])
+            self.release(lease)
+        if self.stores_marks:
+            token = uuid.uuid4().hex
+            if self.swap_mark(probe_key, "check", None, token, 10.0):
+                self.swap_mark(probe_key, "check", token, None, 10.0)
+        return []
 
     def close(self) -> None:  # noqa: B027 - optional hook, most backends have nothing to do
         """Free connections and any per-process resources."""

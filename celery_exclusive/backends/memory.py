@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 from .base import Backend, Lease, LeaseInfo
 from .limits import check_limit
-from .line import admit, first_in_line, line_mark
+from .line import LINE, admit, first_in_line
 
 
 @dataclass
@@ -31,18 +31,22 @@ class _Store:
     def __init__(self) -> None:
         self.grants: dict[str, dict[str, _Grant]] = {}
         self.fences: dict[str, int] = {}
-        self.marks: dict[str, tuple[str, float]] = {}
-        self.records: dict[str, str] = {}
+        #: (key, kind) -> (value, expires_at)
+        self.marks: dict[tuple[str, str], tuple[str, float]] = {}
+        #: (lease key, name) -> value
+        self.records: dict[tuple[str, str], str] = {}
         self.changed = threading.Condition()
+        #: The store's clock for line entries (epoch seconds, like every store's).
+        self.clock = time.time
 
-    def mark(self, name: str, now: float) -> Optional[str]:
+    def mark(self, name: tuple[str, str], now: float) -> Optional[str]:
         value, expires_at = self.marks.get(name, (None, 0.0))
         if value is not None and expires_at <= now:
             del self.marks[name]
             return None
         return value
 
-    def set_mark(self, name: str, value: Optional[str], expires_at: float) -> None:
+    def set_mark(self, name: tuple[str, str], value: Optional[str], expires_at: float) -> None:
         if value is None:
             self.marks.pop(name, None)
         else:
@@ -55,7 +59,8 @@ class _Store:
         limits = {g.limit for g in grants.values()}
         if grants and len(grants) >= min(limits):
             return False
-        return first_in_line(self.mark(line_mark(key), now), claimant)
+        # Line entries carry the store's epoch time, grants the monotonic clock.
+        return first_in_line(self.mark((key, LINE), now), claimant, self.clock())
 
     def live(self, key: str, now: float) -> dict[str, _Grant]:
         grants = self.grants.get(key, {})
@@ -95,12 +100,12 @@ class MemoryBackend(Backend):
             now = time.monotonic()
             grants = store.live(key, now)
             check_limit(key, limit, {g.limit for g in grants.values()})
-            line = store.mark(line_mark(key), now)
-            admitted, rest = admit(line, claimant, limit - len(grants))
+            line = store.mark((key, LINE), now)
+            admitted, rest = admit(line, claimant, limit - len(grants), store.clock())
             if not admitted:
                 return None
             if rest != line:
-                store.set_mark(line_mark(key), rest, store.marks[line_mark(key)][1])
+                store.set_mark((key, LINE), rest, store.marks[(key, LINE)][1])
             token = store.fences[key] = store.fences.get(key, 0) + 1
             store.grants.setdefault(key, {})[owner] = _Grant(
                 token, time.monotonic() + ttl, limit, json.loads(json.dumps(dict(holder or {})))
@@ -159,27 +164,29 @@ class MemoryBackend(Backend):
             store.changed.notify_all()
             return released
 
-    def read_record(self, key: str) -> Optional[str]:
+    def read_record(self, lease_key: str, name: str) -> Optional[str]:
         with self._store.changed:
-            return self._store.records.get(key)
+            return self._store.records.get((lease_key, name))
 
-    def write_record(self, lease: Lease, key: str, value: str) -> bool:
+    def write_record(self, lease: Lease, name: str, value: str) -> bool:
         store = self._store
         with store.changed:
             if lease.owner not in store.live(lease.key, time.monotonic()):
                 return False
-            store.records[key] = value
+            store.records[(lease.key, name)] = value
             return True
 
-    def read_mark(self, name: str) -> Optional[str]:
+    def read_mark(self, key: str, kind: str) -> Optional[str]:
         with self._store.changed:
-            return self._store.mark(name, time.monotonic())
+            return self._store.mark((key, kind), time.monotonic())
 
-    def swap_mark(self, name: str, expected: Optional[str], new: Optional[str], ttl: float) -> bool:
+    def swap_mark(
+        self, key: str, kind: str, expected: Optional[str], new: Optional[str], ttl: float
+    ) -> bool:
         store = self._store
         with store.changed:
             now = time.monotonic()
-            if store.mark(name, now) != expected:
+            if store.mark((key, kind), now) != expected:
                 return False
-            store.set_mark(name, new, now + ttl)
+            store.set_mark((key, kind), new, now + ttl)
             return True

@@ -5,10 +5,17 @@ database's write lock before reading, so "count the live holders, then insert" i
 atomic across processes (a deferred transaction could fail with SQLITE_BUSY at once
 instead of waiting). Expiry compares wall-clock seconds, which all processes of one
 host share. There is no push notification in SQLite, so ``wait()`` polls.
+
+Every ``sqlite3`` and OS error leaves this module through :meth:`SQLiteBackend.failure`:
+a database that is busy (locked by another process past the busy timeout) or an I/O
+hiccup is :class:`BackendUnavailable`, worth a retry; a file this user cannot write,
+cannot open, or that is not a database is a :class:`ConfigurationError`, which no
+retry fixes.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sqlite3
@@ -18,9 +25,10 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
+from ..errors import ConfigurationError
 from .base import Backend, Lease, LeaseInfo
 from .limits import check_limit
-from .line import admit, first_in_line, line_mark
+from .line import LINE, admit, first_in_line
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS exclusive_leases (
@@ -37,14 +45,27 @@ CREATE TABLE IF NOT EXISTS exclusive_fences (
     counter INTEGER NOT NULL
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS exclusive_records (
-    key TEXT PRIMARY KEY,
-    value TEXT NOT NULL
+    lease_key TEXT NOT NULL,
+    name TEXT NOT NULL,
+    value TEXT NOT NULL,
+    PRIMARY KEY (lease_key, name)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS exclusive_marks (
-    name TEXT PRIMARY KEY,
+    key TEXT NOT NULL,
+    kind TEXT NOT NULL,
     value TEXT NOT NULL,
-    expires_at REAL NOT NULL
+    expires_at REAL NOT NULL,
+    PRIMARY KEY (key, kind)
 ) WITHOUT ROWID;
+"""
+
+#: ``PRAGMA user_version`` of the schema above. Version 1 named marks and records by
+#: one string; its tables are replaced (marks are short-lived, records are re-made by
+#: the next beat leader's first send).
+SCHEMA_VERSION = 2
+_DROP_VERSION_1 = """
+DROP TABLE IF EXISTS exclusive_records;
+DROP TABLE IF EXISTS exclusive_marks;
 """
 
 #: How long a writer waits for the database lock before the store counts as unavailable.
@@ -52,13 +73,40 @@ BUSY_TIMEOUT_MS = 10_000
 #: wait() polls between these bounds, doubling each time.
 POLL_MIN, POLL_MAX = 0.005, 0.1
 
+#: The first bytes of every SQLite database file.
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+#: Primary result codes (``sqlite3.Error.sqlite_errorcode & 0xff``) that retrying
+#: cannot fix: SQLITE_PERM, SQLITE_READONLY, SQLITE_CORRUPT, SQLITE_CANTOPEN,
+#: SQLITE_AUTH, SQLITE_NOTADB. Python before 3.11 has no code: the messages below.
+_PERMANENT_CODES = {3, 8, 11, 14, 23, 26}
+_PERMANENT_ERRNOS = {
+    errno.EACCES,
+    errno.EPERM,
+    errno.EROFS,
+    errno.ENOTDIR,
+    errno.EISDIR,
+    errno.EEXIST,
+    errno.ENOENT,
+}
+_PERMANENT_MESSAGES = (
+    "readonly database",
+    "unable to open",
+    "not a database",
+    "malformed",
+    "access permission denied",
+    "authorization denied",
+)
+
 
 def path_from_url(url: str) -> str:
     """``sqlite:///relative.db`` -> ``relative.db``; ``sqlite:////abs/x.db`` -> ``/abs/x.db``."""
     parts = urlsplit(url)
     path = parts.path[1:] if parts.path.startswith("/") else parts.path
     if not path:
-        raise ValueError(f"{url!r} names no file; write sqlite:///path/to/leases.db")
+        raise ConfigurationError(
+            f"exclusive_backend_url {url!r} names no file; write sqlite:///path/to/leases.db"
+        )
     return path
 
 
@@ -78,12 +126,12 @@ class SQLiteBackend(Backend):
         if conn is not None and self._local.pid == os.getpid():
             return conn
         directory = os.path.dirname(os.path.abspath(self.path))
-        os.makedirs(directory, exist_ok=True)
+        os.makedirs(directory, mode=0o700, exist_ok=True)  # new directories are private
         conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
         conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         conn.execute("PRAGMA journal_mode = WAL")
         conn.execute("PRAGMA synchronous = NORMAL")
-        conn.executescript(_SCHEMA)
+        _create_schema(conn)
         self._local.conn, self._local.pid = conn, os.getpid()
         return conn
 
@@ -100,7 +148,52 @@ class SQLiteBackend(Backend):
             conn.execute("COMMIT")
             return result
         except (sqlite3.Error, OSError) as exc:
-            raise self.unavailable(action, exc) from None
+            raise self.failure(action, exc) from None
+
+    def failure(self, action: str, exc: BaseException) -> Exception:
+        """The one error a ``sqlite3`` or OS error becomes: permanent or transient."""
+        code = getattr(exc, "sqlite_errorcode", None)
+        message = str(exc).lower()
+        if isinstance(exc, OSError):
+            permanent = exc.errno in _PERMANENT_ERRNOS
+        elif code is not None:
+            permanent = code & 0xFF in _PERMANENT_CODES
+        else:
+            permanent = any(text in message for text in _PERMANENT_MESSAGES)
+        if not permanent:
+            return self.unavailable(action, exc)
+        return ConfigurationError(
+            f"the lease store {self.safe_url} cannot be used ({type(exc).__name__} while "
+            f"{action}: {exc}). Check exclusive_backend_url: {os.path.abspath(self.path)} "
+            "must be a SQLite database file (or not exist yet) that this user "
+            f"(uid {_uid()}) can read and write, in a directory it can write (the journal "
+            "lives beside it); fix its permissions, or point exclusive_backend_url at "
+            "another file."
+        )
+
+    def check(self, probe_key: str) -> list[str]:
+        """A real SQLite database file (or none yet), which this user can write."""
+        path = os.path.abspath(self.path)
+        if os.path.isdir(path):
+            raise ConfigurationError(
+                f"the lease store {self.safe_url} names a directory, {path}, not a database "
+                "file. Set exclusive_backend_url to a file inside it, e.g. "
+                f"sqlite:///{os.path.join(path, 'leases.sqlite3')}."
+            )
+        try:
+            with open(path, "rb") as file:
+                header = file.read(len(SQLITE_HEADER))
+        except FileNotFoundError:
+            header = None
+        except OSError as exc:
+            raise self.failure("opening it", exc) from None
+        if header and header != SQLITE_HEADER:
+            raise ConfigurationError(
+                f"the lease store {self.safe_url} names {path}, which is not a SQLite "
+                "database. Point exclusive_backend_url at a new file (it is created), or "
+                "move this one away."
+            )
+        return super().check(probe_key)
 
     def try_acquire(
         self,
@@ -123,17 +216,19 @@ class SQLiteBackend(Backend):
                 )
             ]
             check_limit(key, limit, limits)
-            line = _live_mark(conn, line_mark(key), now)
-            admitted, rest = admit(line, claimant, limit - len(limits))
+            line = _live_mark(conn, key, LINE, now)
+            admitted, rest = admit(line, claimant, limit - len(limits), now)
             if not admitted:
                 return None
             if rest != line:  # the grant took the claimant out of the line
                 if rest is None:
-                    conn.execute("DELETE FROM exclusive_marks WHERE name = ?", (line_mark(key),))
+                    conn.execute(
+                        "DELETE FROM exclusive_marks WHERE key = ? AND kind = ?", (key, LINE)
+                    )
                 else:
                     conn.execute(
-                        "UPDATE exclusive_marks SET value = ? WHERE name = ?",
-                        (rest, line_mark(key)),
+                        "UPDATE exclusive_marks SET value = ? WHERE key = ? AND kind = ?",
+                        (rest, key, LINE),
                     )
             (token,) = conn.execute(
                 "INSERT INTO exclusive_fences (key, counter) VALUES (?, 1) "
@@ -190,9 +285,9 @@ class SQLiteBackend(Backend):
             ]
             if limits and len(limits) >= min(limits):
                 return False
-            return first_in_line(_live_mark(conn, line_mark(key), now), claimant)
+            return first_in_line(_live_mark(conn, key, LINE, now), claimant, now)
         except (sqlite3.Error, OSError) as exc:
-            raise self.unavailable(f"reading {key!r}", exc) from None
+            raise self.failure(f"reading {key!r}", exc) from None
 
     def wait(self, key: str, timeout: float, claimant: Optional[str] = None) -> None:
         deadline = time.monotonic() + timeout
@@ -202,19 +297,31 @@ class SQLiteBackend(Backend):
             delay = min(delay * 2, POLL_MAX)
 
     def holders(self, prefix: str = "") -> list[LeaseInfo]:
+        # A range, not substr(): SQLite's string functions stop at a NUL character,
+        # while comparisons see the whole key. The prefix test is then made exactly.
+        return [
+            info
+            for info in self._holders("key >= ?", prefix, f"listing holders under {prefix!r}")
+            if info.key.startswith(prefix)
+        ]
+
+    def holders_of(self, key: str) -> list[LeaseInfo]:
+        return self._holders("key = ?", key, f"reading {key!r}")
+
+    def _holders(self, where: str, value: str, action: str) -> list[LeaseInfo]:
         now = time.time()
         try:
             rows = (
                 self._connection()
                 .execute(
                     "SELECT key, owner, fencing_token, expires_at, holder FROM exclusive_leases "
-                    "WHERE substr(key, 1, ?) = ? AND expires_at > ? ORDER BY key, fencing_token",
-                    (len(prefix), prefix, now),
+                    f"WHERE {where} AND expires_at > ? ORDER BY key, fencing_token",
+                    (value, now),
                 )
                 .fetchall()
             )
         except (sqlite3.Error, OSError) as exc:
-            raise self.unavailable("listing holders", exc) from None
+            raise self.failure(action, exc) from None
         return [
             LeaseInfo(key, owner, token, expires_at - now, json.loads(holder))
             for key, owner, token, expires_at, holder in rows
@@ -229,54 +336,60 @@ class SQLiteBackend(Backend):
 
         return self._write(f"force-releasing {key!r}", force)
 
-    def read_record(self, key: str) -> Optional[str]:
+    def read_record(self, lease_key: str, name: str) -> Optional[str]:
         try:
             row = (
                 self._connection()
-                .execute("SELECT value FROM exclusive_records WHERE key = ?", (key,))
+                .execute(
+                    "SELECT value FROM exclusive_records WHERE lease_key = ? AND name = ?",
+                    (lease_key, name),
+                )
                 .fetchone()
             )
         except (sqlite3.Error, OSError) as exc:
-            raise self.unavailable(f"reading the record {key!r}", exc) from None
+            raise self.failure(f"reading the record {name!r} of {lease_key!r}", exc) from None
         return None if row is None else row[0]
 
-    def write_record(self, lease: Lease, key: str, value: str) -> bool:
+    def write_record(self, lease: Lease, name: str, value: str) -> bool:
         # One statement inside BEGIN IMMEDIATE: the holder check and the upsert see the
         # same database, and no other process can expire or take the lease in between.
         def write(conn: sqlite3.Connection) -> bool:
             cursor = conn.execute(
-                "INSERT INTO exclusive_records (key, value) SELECT ?, ? WHERE EXISTS ("
+                "INSERT INTO exclusive_records (lease_key, name, value) SELECT ?, ?, ? "
+                "WHERE EXISTS ("
                 "  SELECT 1 FROM exclusive_leases"
                 "  WHERE key = ? AND owner = ? AND expires_at > ?"
-                ") ON CONFLICT (key) DO UPDATE SET value = excluded.value",
-                (key, value, lease.key, lease.owner, time.time()),
+                ") ON CONFLICT (lease_key, name) DO UPDATE SET value = excluded.value",
+                (lease.key, name, value, lease.key, lease.owner, time.time()),
             )
             return cursor.rowcount > 0
 
-        return self._write(f"writing the record {key!r}", write)
+        return self._write(f"writing the record {name!r} of {lease.key!r}", write)
 
-    def read_mark(self, name: str) -> Optional[str]:
+    def read_mark(self, key: str, kind: str) -> Optional[str]:
         try:
-            return _live_mark(self._connection(), name, time.time())
+            return _live_mark(self._connection(), key, kind, time.time())
         except (sqlite3.Error, OSError) as exc:
-            raise self.unavailable(f"reading the mark {name!r}", exc) from None
+            raise self.failure(f"reading the {kind} mark of {key!r}", exc) from None
 
-    def swap_mark(self, name: str, expected: Optional[str], new: Optional[str], ttl: float) -> bool:
+    def swap_mark(
+        self, key: str, kind: str, expected: Optional[str], new: Optional[str], ttl: float
+    ) -> bool:
         def swap(conn: sqlite3.Connection) -> bool:
             now = time.time()
-            if _live_mark(conn, name, now) != expected:
+            if _live_mark(conn, key, kind, now) != expected:
                 return False
             if new is None:
-                conn.execute("DELETE FROM exclusive_marks WHERE name = ?", (name,))
+                conn.execute("DELETE FROM exclusive_marks WHERE key = ? AND kind = ?", (key, kind))
             else:
                 conn.execute(
-                    "INSERT INTO exclusive_marks VALUES (?, ?, ?) ON CONFLICT (name) "
+                    "INSERT INTO exclusive_marks VALUES (?, ?, ?, ?) ON CONFLICT (key, kind) "
                     "DO UPDATE SET value = excluded.value, expires_at = excluded.expires_at",
-                    (name, new, now + ttl),
+                    (key, kind, new, now + ttl),
                 )
             return True
 
-        return self._write(f"changing the mark {name!r}", swap)
+        return self._write(f"changing the {kind} mark of {key!r}", swap)
 
     def close(self) -> None:
         conn = getattr(self._local, "conn", None)
@@ -285,8 +398,34 @@ class SQLiteBackend(Backend):
         self._local = threading.local()
 
 
-def _live_mark(conn: sqlite3.Connection, name: str, now: float) -> Optional[str]:
+def _uid() -> int:
+    getuid = getattr(os, "getuid", None)
+    return getuid() if getuid is not None else 0
+
+
+def _create_schema(conn: sqlite3.Connection) -> None:
+    """Create the tables, replacing those of an older schema version, in one
+    transaction (``executescript`` would commit after each statement)."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        (version,) = conn.execute("PRAGMA user_version").fetchone()
+        if version < SCHEMA_VERSION:
+            for statement in _DROP_VERSION_1.strip().split(";"):
+                if statement.strip():
+                    conn.execute(statement)
+            for statement in _SCHEMA.strip().split(";"):
+                if statement.strip():
+                    conn.execute(statement)
+            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
+def _live_mark(conn: sqlite3.Connection, key: str, kind: str, now: float) -> Optional[str]:
     row = conn.execute(
-        "SELECT value FROM exclusive_marks WHERE name = ? AND expires_at > ?", (name, now)
+        "SELECT value FROM exclusive_marks WHERE key = ? AND kind = ? AND expires_at > ?",
+        (key, kind, now),
     ).fetchone()
     return None if row is None else row[0]

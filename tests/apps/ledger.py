@@ -7,6 +7,8 @@ EXCLUSIVE_TEST_BROKER   broker (and result backend) URL
 EXCLUSIVE_TEST_STORE    lease store URL (exclusive_backend_url)
 EXCLUSIVE_TEST_LEDGER   Redis URL of the ledger
 EXCLUSIVE_TEST_TTL      lease ttl in seconds
+EXCLUSIVE_TEST_VISIBILITY_TIMEOUT   the Redis broker's visibility timeout (seconds)
+EXCLUSIVE_TEST_MAX_CONNECTIONS  broker connection pool size (greenlet pools need more)
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import redis
 from celery import Celery
 from celery.exceptions import Ignore, Reject
 
-from celery_exclusive import ExclusiveTask, signals
+from celery_exclusive import ExclusiveTask, LeaseLost, signals
 from tests.apps import ledger_client
 
 app = Celery("ledger")
@@ -35,6 +37,13 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     result_extended=True,
 )
+transport_options: dict = {}
+if os.environ.get("EXCLUSIVE_TEST_VISIBILITY_TIMEOUT"):
+    transport_options["visibility_timeout"] = float(os.environ["EXCLUSIVE_TEST_VISIBILITY_TIMEOUT"])
+if os.environ.get("EXCLUSIVE_TEST_MAX_CONNECTIONS"):
+    transport_options["max_connections"] = int(os.environ["EXCLUSIVE_TEST_MAX_CONNECTIONS"])
+if transport_options:
+    app.conf.broker_transport_options = transport_options
 for name in ("on_duplicate", "on_backend_error", "on_lease_lost", "wait_timeout", "limit"):
     value = os.environ.get(f"EXCLUSIVE_TEST_{name.upper()}")
     if value is not None:
@@ -53,6 +62,7 @@ def run(task, key: str, duration: float) -> dict:
     entry = {
         "key": key,
         "token": lease.fencing_token if lease else None,
+        "held": lease.held if lease is not None else None,
         "start": start,
         "end": time.time(),
         "task_id": task.request.id,
@@ -87,6 +97,57 @@ hold_wait = _ledger_task("wait")
 @app.task(base=ExclusiveTask, bind=True, exclusive_key="{key}", acks_late=True)
 def hold_acks_late(self, key: str, duration: float = 0.0) -> dict:
     return run(self, key, duration)
+
+
+@app.task(
+    base=ExclusiveTask,
+    bind=True,
+    exclusive_key="{key}",
+    acks_late=True,
+    exclusive_on_duplicate="wait",
+)
+def hold_acks_late_wait(self, key: str, duration: float = 0.0) -> dict:
+    return run(self, key, duration)
+
+
+@app.task(
+    base=ExclusiveTask,
+    bind=True,
+    exclusive_key="{key}",
+    exclusive_on_lease_lost="terminate",
+    exclusive_terminate_grace=1.0,
+)
+def hold_terminate(self, key: str, duration: float, stubborn: bool = False) -> dict:
+    """Hold ``key`` for ``duration`` seconds in short sleeps; a ``stubborn`` body catches
+    the LeaseLost that interrupts it and sleeps on. Each run notes when it started and
+    (unless killed) how it ended."""
+    lease = self.lease
+    start, ended = time.time(), "returned"
+    ledger().rpush("started", json.dumps({"key": key, "pid": os.getpid(), "start": start}))
+    try:
+        while time.time() < start + duration:
+            try:
+                time.sleep(0.05)
+            except LeaseLost:
+                if not stubborn:
+                    raise
+                ended = "ignored LeaseLost"
+    except LeaseLost:
+        ended = "LeaseLost"
+        raise
+    finally:
+        entry = {
+            "key": key,
+            "token": lease.fencing_token,
+            "start": start,
+            "end": time.time(),
+            "task_id": self.request.id,
+            "pid": os.getpid(),
+            "lost": lease.lost,
+            "ended": ended,
+        }
+        ledger().rpush("ledger", json.dumps(entry))
+    return entry
 
 
 @app.task(base=ExclusiveTask, bind=True, exclusive_key="{key}", max_retries=5)

@@ -1,0 +1,8 @@
+"""MongoDB lease store (``mongodb://``, ``mongodb+srv://``, pymongo).
+
+See :mod:`.backend` for how a grant works and :mod:`.expressions` for the document.
+"""
+
+from .backend import MongoDBBackend
+
+__all__ = ["MongoDBBackend"]

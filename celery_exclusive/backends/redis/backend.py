@@ -1,0 +1,358 @@
+"""The Redis lease store: one Lua script per operation, one round trip.
+
+Where each entry lives is :mod:`.layout`; the scripts are :mod:`.scripts`; the URL's
+forms and options are :mod:`.client`; every client exception passes through
+:func:`.failures.translate`; the start-up check is :mod:`.checks`.
+
+Fencing tokens are ``max(last + 1, now in µs)`` by the store's clock, so they keep
+rising when the store forgets its counters (a restart without persistence, an
+eviction, a failover to a replica that missed writes), as long as the servers'
+clocks agree to within the time such an event takes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any, Callable, Optional
+
+from redis.cluster import RedisCluster
+from redis.crc import key_slot
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError
+from redis.sentinel import MasterNotFoundError
+
+from ...errors import BackendUnavailable, ConfigurationError, ExclusiveError
+from ..base import Backend, Lease, LeaseInfo
+from . import checks, layout, scripts
+from .client import SOCKET_TIMEOUT, StoreOptions, connect, store_options
+from .failures import translate
+
+#: A BLPOP never blocks longer than this, so it always returns inside SOCKET_TIMEOUT.
+MAX_BLOCK = SOCKET_TIMEOUT - 1.0
+#: Seconds between readings of the store's clock; between them it is told by the
+#: local monotonic clock (which drifts by parts per million).
+CLOCK_REFRESH = 10.0
+#: Seconds between asking the sentinels who the master is (redis-py alone asks only
+#: after a connection error or a READONLY reply, which a demoted master may not send
+#: for several seconds after the switch).
+MASTER_CHECK_INTERVAL = 1.0
+
+
+class RedisBackend(Backend):
+    pushes_wakeups = True
+    stores_records = True
+    stores_marks = True
+
+    def __init__(self, url: str, client: Any = None) -> None:
+        super().__init__(url)
+        self._lock = threading.Lock()
+        self._client = client
+        if client is None:
+            self.options = store_options(url)
+        else:
+            topology = "cluster" if isinstance(client, RedisCluster) else "standalone"
+            self.options = StoreOptions(topology=topology)
+        self.cluster = self.options.topology == "cluster"
+        self._scripts: dict = {}
+        self._clock: Optional[tuple[float, float]] = None
+        self._master_checked = 0.0
+
+    # --- connection -----------------------------------------------------------------
+
+    @property
+    def client(self):
+        """The redis-py client, connected on first use (a Cluster client asks the nodes
+        for their slots at once: a store down at import must not fail the import)."""
+        if self._client is None:
+            with self._lock:
+                if self._client is None:
+                    self._client = self._call("connecting", None, connect, self.url)
+        return self._client
+
+    def _script(self, name: str):
+        script = self._scripts.get(name)
+        if script is None:
+            script = self._scripts[name] = self.client.register_script(scripts.ALL[name])
+        return script
+
+    def _call(self, action: str, key: Optional[str], fn: Callable, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (RedisError, RedisClusterException) as exc:
+            error = translate(exc, self.safe_url, action, key, self.cluster)
+            if isinstance(exc, MasterNotFoundError):
+                error = self._why_no_master(action) or error
+            raise error from None
+
+    def _why_no_master(self, action: str) -> Optional[ExclusiveError]:
+        """redis-py reports "no master found" when no sentinel answered, whatever each
+        said: ask them again, so that a refused password or certificate is named."""
+        for sentinel in self.client.connection_pool.sentinel_manager.sentinels:
+            try:
+                sentinel.ping()
+            except RedisError as exc:
+                error = translate(exc, self.safe_url, f"{action}, asking a sentinel")
+                if not isinstance(error, ConfigurationError):
+                    continue
+                if "credentials" in str(error):
+                    return ConfigurationError(
+                        f"the sentinels of exclusive_backend_url {self.safe_url} refused "
+                        f"its Sentinel credentials ({type(exc).__name__}: {exc}); correct "
+                        "sentinel_username / sentinel_password in the URL's query (the "
+                        "user and password before the hosts are the data nodes')."
+                    )
+                return error
+        return None
+
+    def _run(self, name: str, action: str, key: str, keys: list, args: list):
+        return self._call(action, key, self._script(name), keys=keys, args=args)
+
+    def _fresh_master(self) -> None:
+        """Behind Sentinel: follow a switch of master within MASTER_CHECK_INTERVAL.
+
+        Sentinels that do not answer leave the master as it was (nobody can promote
+        another meanwhile); sentinels that refuse the URL's credentials stop the caller.
+        """
+        if self.options.topology != "sentinel":
+            return
+        now = time.monotonic()
+        if now - self._master_checked < MASTER_CHECK_INTERVAL:
+            return
+        self._master_checked = now
+        pool = self.client.connection_pool
+        with contextlib.suppress(BackendUnavailable):
+            self._call("asking the sentinels for the master", None, pool.get_master_address)
+
+    # --- leases ---------------------------------------------------------------------
+
+    def try_acquire(
+        self,
+        key: str,
+        owner: str,
+        ttl: float,
+        limit: int = 1,
+        holder: Optional[Mapping[str, Any]] = None,
+        claimant: Optional[str] = None,
+    ) -> Optional[Lease]:
+        self._fresh_master()
+        names = layout.entries(key)
+        keys = [names.lease, names.fence, names.holders, names.line]
+        args = [owner, _ms(ttl), limit, json.dumps(dict(holder or {})), claimant or ""]
+        if self.options.min_replicas:
+            token = self._acquire_replicated(key, keys, args)
+        else:
+            token = self._run("acquire", f"acquiring {key!r}", key, keys, args)
+        return None if token is None else Lease(key, owner, int(token), ttl, limit)
+
+    def _acquire_replicated(self, key: str, keys: list, args: list) -> Optional[int]:
+        """Acquire, then ``WAIT`` on the same connection (one round trip for both); a
+        grant that too few replicas acknowledged is withdrawn: a failover would lose it."""
+        action = f"acquiring {key!r}"
+        wanted, timeout = self.options.min_replicas, self.options.min_replicas_timeout
+        script = self._script("acquire")
+        for _ in range(2):
+            pipe = self.client.pipeline(transaction=False)
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+            pipe.execute_command("WAIT", wanted, _ms(timeout))
+            token, acked = self._call(action, key, pipe.execute, raise_on_error=False)
+            if not isinstance(token, NoScriptError):
+                break
+            self._call(action, key, self.client.script_load, script.script)
+        for reply in (token, acked):
+            if isinstance(reply, Exception):
+                raise translate(reply, self.safe_url, action, key, self.cluster)
+        if token is None or acked >= wanted:
+            return token
+        lease = Lease(key, args[0], int(token), 1.0, int(args[2]))
+        self.release(lease)
+        raise BackendUnavailable(
+            f"the grant of {key!r} reached {acked} of the {wanted} replica(s) "
+            f"min_replicas in exclusive_backend_url asks for within {timeout} s, so it was "
+            "withdrawn (a failover could lose it). Check the replicas, or lower "
+            "min_replicas.",
+            self.safe_url,
+        )
+
+    def renew(self, leases: Iterable[Lease]) -> set[Lease]:
+        leases = list(leases)
+        if not leases:
+            return set()
+        self._fresh_master()
+        action = f"renewing {len(leases)} lease(s)"
+        if not self.cluster:
+            lost = self._run("renew", action, leases[0].key, *_renewal(leases))
+            return {leases[i - 1] for i in lost}
+        # One script per hash slot, one pipeline: one round trip per node.
+        by_slot: dict[int, list[Lease]] = {}
+        for lease in leases:
+            by_slot.setdefault(key_slot(layout.lease(lease.key).encode()), []).append(lease)
+        groups = list(by_slot.values())
+        script = self._script("renew")
+        for attempt in range(2):
+            pipe = self.client.pipeline()
+            for group in groups:
+                keys, args = _renewal(group)
+                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            try:
+                answers = self._call(action, leases[0].key, pipe.execute)
+                break
+            except Exception as exc:
+                if attempt or "NOSCRIPT" not in str(exc).upper():
+                    raise
+                self._call(action, leases[0].key, self.client.script_load, script.script)
+        return {group[i - 1] for group, lost in zip(groups, answers) for i in lost}
+
+    def release(self, lease: Lease) -> bool:
+        key = lease.key
+        names = layout.entries(key)
+        keys = [names.lease, names.holders, names.line, names.signal, names.waiting]
+        args = [lease.owner, lease.limit, _ms(max(lease.ttl, 1.0))]
+        return bool(self._run("release", f"releasing {key!r}", key, keys, args))
+
+    def wait(self, key: str, timeout: float, claimant: Optional[str] = None) -> None:
+        # BLPOP takes whole or fractional seconds; 0 would mean "forever".
+        block = min(timeout, MAX_BLOCK)
+        if block <= 0:
+            return
+        action = f"waiting on {key!r}"
+        names = layout.entries(key)
+        keys = [names.lease, names.holders, names.line, names.waiting]
+        if self._run("free_for", action, key, keys, [claimant or "", _ms(block + 1.0)]):
+            return
+        # The first in line is woken on its own list; anyone else on the key's.
+        signals = [] if claimant is None else [layout.signal(key, claimant)]
+        signals.append(layout.signal(key))
+        self._call(action, key, self.client.blpop, signals, block)
+
+    def force_release(self, key: str) -> int:
+        names = layout.entries(key)
+        keys = [names.lease, names.holders, names.line, names.signal, names.waiting]
+        return self._run("force_release", f"force-releasing {key!r}", key, keys, [30_000])
+
+    # --- what the CLI sees ----------------------------------------------------------
+
+    def holders(self, prefix: str = "") -> list[LeaseInfo]:
+        def scan() -> set[str]:
+            found = set()
+            # A Cluster client scans every primary in turn.
+            for raw in self.client.scan_iter(match=layout.lease_pattern(prefix), count=1000):
+                key = layout.key_of(raw.decode() if isinstance(raw, bytes) else raw)
+                if key is not None and key.startswith(prefix):
+                    found.add(key)
+            return found
+
+        keys = self._call("listing holders", prefix, scan)
+        return [info for key in sorted(keys) for info in self.holders_of(key)]
+
+    def holders_of(self, key: str) -> list[LeaseInfo]:
+        found = self._run(
+            "describe", f"reading {key!r}", key, [layout.lease(key), layout.holders(key)], []
+        )
+        kind, now_ms = _text(found[0]), int(found[1])
+        if kind == "string":
+            pttl, value = found[2], found[3]
+            if value is None:
+                return []
+            owner, token, holder = _parse_value(_text(value))
+            return [LeaseInfo(key, owner, token, _seconds(pttl), holder)]
+        infos = []
+        for i in range(2, len(found), 3):
+            owner, expiry, detail = _text(found[i]), float(found[i + 1]), _text(found[i + 2])
+            token, _, holder = detail.partition(" ")
+            infos.append(LeaseInfo(key, owner, int(token), (expiry - now_ms) / 1000, _json(holder)))
+        return infos
+
+    # --- records and marks ----------------------------------------------------------
+
+    def read_record(self, lease_key: str, name: str) -> Optional[str]:
+        action = f"reading the record {name!r} of {lease_key!r}"
+        value = self._call(action, lease_key, self.client.get, layout.record(lease_key, name))
+        return None if value is None else _text(value)
+
+    def write_record(self, lease: Lease, name: str, value: str) -> bool:
+        self._fresh_master()
+        keys = [layout.lease(lease.key), layout.record(lease.key, name)]
+        action = f"writing the record {name!r} of {lease.key!r}"
+        return bool(
+            self._run("write_record", action, lease.key, keys, [lease.owner, lease.limit, value])
+        )
+
+    def read_mark(self, key: str, kind: str) -> Optional[str]:
+        action = f"reading the {kind} mark of {key!r}"
+        value = self._call(action, key, self.client.get, layout.mark(key, kind))
+        return None if value is None else _text(value)
+
+    def swap_mark(
+        self, key: str, kind: str, expected: Optional[str], new: Optional[str], ttl: float
+    ) -> bool:
+        args = [int(expected is not None), expected or "", int(new is not None), new or ""]
+        args.append(_ms(ttl))
+        action = f"changing the {kind} mark of {key!r}"
+        return bool(self._run("swap_mark", action, key, [layout.mark(key, kind)], args))
+
+    # --- the store's clock, the start-up check --------------------------------------
+
+    def store_time(self) -> float:
+        """The store's clock, read at most every CLOCK_REFRESH seconds (one round trip)
+        and told in between by the local monotonic clock, which no NTP step moves."""
+        clock = self._clock
+        now = time.monotonic()
+        if clock is None or now - clock[1] > CLOCK_REFRESH:
+            seconds, microseconds = self._call("reading the time", None, self.client.time)
+            after = time.monotonic()
+            clock = self._clock = (seconds + microseconds / 1e6, (now + after) / 2)
+            now = after
+        return clock[0] + (now - clock[1])
+
+    def check(self, probe_key: str) -> list[str]:
+        warnings = checks.server_warnings(self)
+        warnings += super().check(probe_key)
+        checks.exercise(self, probe_key)
+        return warnings
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+
+def _renewal(leases: list[Lease]) -> tuple[list, list]:
+    keys, args = [], []
+    for lease in leases:
+        names = layout.entries(lease.key)
+        keys += [names.lease, names.holders]
+        args += [lease.owner, _ms(lease.ttl), lease.limit]
+    return keys, args
+
+
+def _parse_value(value: str) -> tuple[str, int, dict]:
+    """Owner, token and holder record of a limit-1 lease value (see :mod:`.scripts`)."""
+    length, _, rest = value.partition(":")
+    try:
+        owner, rest = rest[: int(length)], rest[int(length) + 1 :]
+        token, _, holder = rest.partition(" ")
+        return owner, int(token), _json(holder)
+    except ValueError:  # not written by this store: show it, never crash the CLI
+        return value, 0, {}
+
+
+def _json(text: str) -> dict:
+    try:
+        value = json.loads(text or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
+def _seconds(pttl) -> Optional[float]:
+    return None if pttl is None or pttl < 0 else pttl / 1000

@@ -1,0 +1,420 @@
+"""The Lua scripts of the Redis store: every operation is one script, one round trip.
+
+Each script opens by binding KEYS and ARGV to named locals and says what it returns.
+Names come from :mod:`.layout`; every key a script touches shares the hash slot of one
+lease key, so each script runs on one Redis Cluster node.
+
+A limit-1 lease is a string, ``<len(owner)>:<owner> <token> <holder JSON>``: the owner
+check compares a prefix, so the uncontended path never decodes JSON, and the length
+in front makes the prefix of one owner never the prefix of another's record. A
+semaphore (limit > 1) is a sorted set owner -> expiry (ms, store time) beside a hash
+of each holder's token and record. A mutex and a semaphore on the same key are thus
+different Redis types: contenders that disagree on the limit get WRONGTYPE, which the
+store reports as a ConfigurationError.
+"""
+
+from __future__ import annotations
+
+#: The store's clock. Scripts call it at most once (TIME is not free).
+_NOW = """
+-- Now by the store's clock, in microseconds since the epoch (exact: below 2^53).
+local function now_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+"""
+
+#: How a holder of a key is told from anybody else.
+_HOLDS = """
+-- The prefix a limit-1 lease value starts with when `owner` holds it.
+local function owner_prefix(owner)
+  return #owner .. ':' .. owner .. ' '
+end
+
+-- redis.call, except that a key of the other kind (a mutex held where a semaphore was,
+-- or the reverse: the key is held with another limit since) answers false.
+local function call_typed(...)
+  local reply = redis.pcall(...)
+  if type(reply) == 'table' and reply.err then
+    if string.find(reply.err, 'WRONGTYPE', 1, true) then
+      return false
+    end
+    error(reply)
+  end
+  return reply
+end
+
+-- Whether `owner` holds the lease `lease_key` now (`now_ms`: for semaphores only).
+local function holds(lease_key, owner, limit, now_ms)
+  if limit == 1 then
+    local value = call_typed('GET', lease_key)
+    local prefix = owner_prefix(owner)
+    return value ~= false and string.sub(value, 1, #prefix) == prefix
+  end
+  local expiry = call_typed('ZSCORE', lease_key, owner)
+  return expiry ~= false and tonumber(expiry) > now_ms
+end
+"""
+
+#: The line of waiters, as backends/line.py reads it.
+_LINE = """
+-- The entries of the line stored at `line_key` (nil if none or unreadable), and the
+-- ids of those whose `until` (store seconds) is after `now_s`, first first.
+local function read_line(line_key, now_s)
+  local raw = redis.call('GET', line_key)
+  if not raw then
+    return nil, {}
+  end
+  local ok, decoded = pcall(cjson.decode, raw)
+  if not ok or type(decoded) ~= 'table' then
+    return nil, {}
+  end
+  local entries, live = {}, {}
+  for _, entry in ipairs(decoded) do
+    if type(entry) == 'table' and type(entry.id) == 'string' then
+      table.insert(entries, entry)
+      local until_s = tonumber(entry['until'])
+      if until_s and until_s > now_s then
+        table.insert(live, entry.id)
+      end
+    end
+  end
+  return entries, live
+end
+
+-- The 0-based place of `claimant` among the `live` ids; #live if it is not there.
+local function place_of(live, claimant)
+  for i, id in ipairs(live) do
+    if id == claimant then
+      return i - 1
+    end
+  end
+  return #live
+end
+
+-- Take `claimant` out of the line's `entries` (dead ones stay: their waiters drop them).
+local function leave_line(line_key, entries, claimant)
+  local rest = {}
+  for _, entry in ipairs(entries) do
+    if entry.id ~= claimant then
+      table.insert(rest, entry)
+    end
+  end
+  if #rest == #entries then
+    return
+  end
+  if #rest == 0 then
+    redis.call('DEL', line_key)
+  else
+    local pttl = redis.call('PTTL', line_key)
+    redis.call('SET', line_key, cjson.encode(rest), 'PX', math.max(pttl, 1))
+  end
+end
+"""
+
+#: Waking a waiter after a slot is freed.
+_WAKE = """
+-- Wake whoever may take the freed slot: the first live waiter of the line on its own
+-- list (the acquire script admits nobody else), else, if a waiter outside the line
+-- blocks (`waiting_key` is set), the key's list; else nobody, and nothing is written.
+local function wake(line_key, signal_key, waiting_key, slots, signal_ttl)
+  local signal = nil
+  if redis.call('EXISTS', line_key) == 1 then
+    local _, live = read_line(line_key, now_us() / 1000000)
+    if live[1] then
+      signal = signal_key .. ':' .. live[1]
+    end
+  end
+  if not signal and redis.call('EXISTS', waiting_key) == 1 then
+    signal = signal_key
+  end
+  if signal then
+    redis.call('RPUSH', signal, 1)
+    redis.call('LTRIM', signal, -slots, -1)
+    redis.call('PEXPIRE', signal, signal_ttl)
+  end
+end
+"""
+
+#: How long a key's fence outlives its last grant. The token is floored by the store's
+#: clock, so a fence that expired (or was lost) still never lets a token go backwards;
+#: it only orders grants within one microsecond or across a clock that stepped back.
+FENCE_TTL_MS = 24 * 3600 * 1000
+
+_TOKEN = f"""
+-- The next fencing token of a key: above the last one and never below now (µs), so it
+-- keeps rising when the counter is lost (restart, eviction, failover).
+local function next_token(fence_key, now)
+  local last = tonumber(redis.call('GET', fence_key) or '0')
+  return math.max(last + 1, now)
+end
+
+-- Keep `token` as the key's last; integers below 2^53 format exactly with %d.
+local function keep_token(fence_key, token, ttl)
+  redis.call('SET', fence_key, string.format('%d', token), 'PX', ttl + {FENCE_TTL_MS})
+end
+"""
+
+ACQUIRE = (
+    _NOW
+    + _HOLDS
+    + _LINE
+    + _TOKEN
+    + """
+-- Grant a slot of a key if the line lets the caller in.
+-- Returns the fencing token of the grant, or false when there is no slot for the caller.
+local lease_key, fence_key, holders_key, line_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local owner, ttl, limit = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local holder, claimant = ARGV[4], ARGV[5]  -- claimant: '' when the caller is not in line
+
+local now = now_us()
+local now_ms = math.floor(now / 1000)
+local entries, live = read_line(line_key, now / 1000000)
+local place = place_of(live, claimant)
+
+if limit == 1 then
+  if place > 0 then
+    return false
+  end
+  local token = next_token(fence_key, now)
+  local value = owner_prefix(owner) .. string.format('%d', token) .. ' ' .. holder
+  if redis.call('SET', lease_key, value, 'NX', 'PX', ttl) then
+    keep_token(fence_key, token, ttl)
+    if entries then
+      leave_line(line_key, entries, claimant)
+    end
+    return token
+  end
+  if redis.call('TYPE', lease_key).ok ~= 'string' then
+    return redis.error_reply('WRONGTYPE limit mismatch')
+  end
+  return false
+end
+
+-- A semaphore, on a key nobody holds as a mutex.
+local kind = redis.call('TYPE', lease_key).ok
+if kind ~= 'zset' and kind ~= 'none' then
+  return redis.error_reply('WRONGTYPE limit mismatch')
+end
+local expired = redis.call('ZRANGEBYSCORE', lease_key, '-inf', now_ms)
+if #expired > 0 then
+  redis.call('ZREMRANGEBYSCORE', lease_key, '-inf', now_ms)
+  for i, gone in ipairs(expired) do
+    expired[i] = 'h:' .. gone
+  end
+  redis.call('HDEL', holders_key, unpack(expired))
+end
+local held = redis.call('ZCARD', lease_key)
+if held > 0 and tonumber(redis.call('HGET', holders_key, 'limit')) ~= limit then
+  return redis.error_reply('WRONGTYPE limit mismatch')
+end
+if place >= limit - held then
+  return false
+end
+local token = next_token(fence_key, now)
+keep_token(fence_key, token, ttl)
+redis.call('ZADD', lease_key, now_ms + ttl, owner)
+redis.call('HSET', holders_key, 'limit', limit, 'h:' .. owner,
+           string.format('%d', token) .. ' ' .. holder)
+if redis.call('PTTL', lease_key) < ttl then
+  redis.call('PEXPIRE', lease_key, ttl)
+  redis.call('PEXPIRE', holders_key, ttl)
+end
+if entries then
+  leave_line(line_key, entries, claimant)
+end
+return token
+"""
+)
+
+RENEW = (
+    _NOW
+    + _HOLDS
+    + """
+-- Extend each lease its owner still holds by its ttl.
+-- KEYS: for each lease, its lease key and holders key. ARGV: for each, owner, ttl, limit.
+-- Returns the 1-based positions of the leases found lost.
+local lost = {}
+local now_ms = math.floor(now_us() / 1000)
+for i = 1, #ARGV / 3 do
+  local lease_key, holders_key = KEYS[2 * i - 1], KEYS[2 * i]
+  local owner, ttl, limit = ARGV[3 * i - 2], tonumber(ARGV[3 * i - 1]), tonumber(ARGV[3 * i])
+  if not holds(lease_key, owner, limit, now_ms) then
+    table.insert(lost, i)
+  elseif limit == 1 then
+    redis.call('PEXPIRE', lease_key, ttl)
+  else
+    redis.call('ZADD', lease_key, 'XX', now_ms + ttl, owner)
+    if redis.call('PTTL', lease_key) < ttl then
+      redis.call('PEXPIRE', lease_key, ttl)
+      redis.call('PEXPIRE', holders_key, ttl)
+    end
+  end
+end
+return lost
+"""
+)
+
+RELEASE = (
+    _NOW
+    + _HOLDS
+    + _LINE
+    + _WAKE
+    + """
+-- Free the owner's slot of a key and wake whoever may take it.
+-- Returns 1 if the owner held the key, else 0 (and changes nothing).
+local lease_key, holders_key, line_key = KEYS[1], KEYS[2], KEYS[3]
+local signal_key, waiting_key = KEYS[4], KEYS[5]
+local owner, limit, signal_ttl = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+
+if limit == 1 then
+  if not holds(lease_key, owner, 1, 0) then
+    return 0
+  end
+  redis.call('DEL', lease_key)
+else
+  if call_typed('ZREM', lease_key, owner) ~= 1 then  -- not held, or held as a mutex
+    return 0
+  end
+  redis.call('HDEL', holders_key, 'h:' .. owner)
+end
+wake(line_key, signal_key, waiting_key, limit, signal_ttl)
+return 1
+"""
+)
+
+FORCE_RELEASE = (
+    _NOW
+    + _LINE
+    + _WAKE
+    + """
+-- Free every slot of a key, whoever holds it, and wake whoever may take one.
+-- Returns how many live holders it had.
+local lease_key, holders_key, line_key = KEYS[1], KEYS[2], KEYS[3]
+local signal_key, waiting_key = KEYS[4], KEYS[5]
+local signal_ttl = ARGV[1]
+
+local kind = redis.call('TYPE', lease_key).ok
+local count, slots = 0, 1
+if kind == 'string' then
+  count = 1
+elseif kind == 'zset' then
+  count = redis.call('ZCOUNT', lease_key, '(' .. math.floor(now_us() / 1000), '+inf')
+  slots = math.max(count, 1)
+end
+redis.call('DEL', lease_key, holders_key)
+wake(line_key, signal_key, waiting_key, slots, signal_ttl)
+return count
+"""
+)
+
+FREE_FOR = (
+    _NOW
+    + _LINE
+    + """
+-- Whether a waiter may stop blocking: a slot of the key is free and nobody but the
+-- claimant stands first in its line.
+-- Returns 1 if so; else 0, after marking a waiter outside the line as blocking for
+-- block_ms (so that a release wakes it).
+local lease_key, holders_key, line_key, waiting_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local claimant, block_ms = ARGV[1], tonumber(ARGV[2])
+
+local now = now_us()
+local _, live = read_line(line_key, now / 1000000)
+local free = true
+local kind = redis.call('TYPE', lease_key).ok
+if kind == 'string' then
+  free = false
+elseif kind == 'zset' then
+  local running = redis.call('ZCOUNT', lease_key, '(' .. math.floor(now / 1000), '+inf')
+  free = running < tonumber(redis.call('HGET', holders_key, 'limit') or 1)
+end
+if free and (live[1] == nil or live[1] == claimant) then
+  return 1
+end
+if place_of(live, claimant) == #live then
+  redis.call('SET', waiting_key, 1, 'PX', block_ms)
+end
+return 0
+"""
+)
+
+DESCRIBE = (
+    _NOW
+    + """
+-- What the store holds for a key, for holders() and the CLI.
+-- Returns {'string', now_ms, pttl, value} for a mutex, {'zset', now_ms, owner, expiry,
+-- detail, ...} for the live holders of a semaphore, {'none', now_ms} otherwise.
+local lease_key, holders_key = KEYS[1], KEYS[2]
+
+local now_ms = math.floor(now_us() / 1000)
+local kind = redis.call('TYPE', lease_key).ok
+if kind == 'string' then
+  return {kind, now_ms, redis.call('PTTL', lease_key), redis.call('GET', lease_key)}
+elseif kind ~= 'zset' then
+  return {'none', now_ms}
+end
+local found = {kind, now_ms}
+local live = redis.call('ZRANGEBYSCORE', lease_key, '(' .. now_ms, '+inf', 'WITHSCORES')
+for i = 1, #live, 2 do
+  local detail = redis.call('HGET', holders_key, 'h:' .. live[i]) or '0 {}'
+  table.insert(found, live[i])
+  table.insert(found, live[i + 1])
+  table.insert(found, detail)
+end
+return found
+"""
+)
+
+WRITE_RECORD = (
+    _NOW
+    + _HOLDS
+    + """
+-- Write a record of a key if the owner holds the key now: the fenced write.
+-- Returns 1 if written, 0 if the owner no longer holds the key.
+local lease_key, record_key = KEYS[1], KEYS[2]
+local owner, limit, value = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+
+local now_ms = limit == 1 and 0 or math.floor(now_us() / 1000)
+if not holds(lease_key, owner, limit, now_ms) then
+  return 0
+end
+redis.call('SET', record_key, value)
+return 1
+"""
+)
+
+SWAP_MARK = """
+-- Compare-and-swap a mark: set (or delete) it if it holds the expected value.
+-- Returns 1 if swapped, 0 if the mark held something else.
+local mark_key = KEYS[1]
+local has_expected, expected = ARGV[1] == '1', ARGV[2]
+local has_new, new, ttl = ARGV[3] == '1', ARGV[4], ARGV[5]
+
+local current = redis.call('GET', mark_key)
+if has_expected then
+  if current ~= expected then
+    return 0
+  end
+elseif current then
+  return 0
+end
+if has_new then
+  redis.call('SET', mark_key, new, 'PX', ttl)
+else
+  redis.call('DEL', mark_key)
+end
+return 1
+"""
+
+#: Every script, by the name the backend registers it under.
+ALL = {
+    "acquire": ACQUIRE,
+    "renew": RENEW,
+    "release": RELEASE,
+    "force_release": FORCE_RELEASE,
+    "free_for": FREE_FOR,
+    "describe": DESCRIBE,
+    "write_record": WRITE_RECORD,
+    "swap_mark": SWAP_MARK,
+}

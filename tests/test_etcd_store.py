@@ -1,0 +1,128 @@
+"""What only the etcd store has to show: auth and permissions named at start, lost
+replies read back, revisions as tokens. A real etcd (Debian's) started by the tests."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+import uuid
+
+import pytest
+
+from celery_exclusive.backends import _load
+from celery_exclusive.errors import BackendUnavailable, ConfigurationError
+from tests.servers import EtcdServer, ReplyDropper, free_port
+
+
+@pytest.fixture(scope="module")
+def secured_etcd():
+    """An etcd with auth enabled: user ``worker`` may read and write under ``allowed/``."""
+    server = EtcdServer()
+    server.start()
+
+    def etcdctl(*args: str) -> None:
+        subprocess.run(
+            ["etcdctl", f"--endpoints={server.endpoint}", *args],
+            check=True,
+            capture_output=True,
+            env={"ETCDCTL_API": "3"},
+        )
+
+    etcdctl("user", "add", "root", "--new-user-password=rootpw")
+    etcdctl("role", "add", "root")
+    etcdctl("user", "grant-role", "root", "root")
+    etcdctl("user", "add", "worker", "--new-user-password=pw")
+    etcdctl("role", "add", "workers")
+    etcdctl("role", "grant-permission", "workers", "--prefix=true", "readwrite", "allowed/")
+    etcdctl("user", "grant-role", "worker", "workers")
+    etcdctl("auth", "enable")
+    yield server
+    server.cleanup()
+
+
+def test_a_user_with_readwrite_on_the_prefix_keeps_leases(secured_etcd):
+    backend = _load(f"etcd://worker:pw@{secured_etcd.endpoint}/allowed")
+    backend.check("exclusive:~check")
+    assert backend.try_acquire("k", uuid.uuid4().hex, 5) is not None
+
+
+def test_a_wrong_password_is_a_configuration_error_at_start(secured_etcd):
+    backend = _load(f"etcd://worker:wrong@{secured_etcd.endpoint}/allowed")
+    with pytest.raises(ConfigurationError, match="user and password"):
+        backend.check("exclusive:~check")
+
+
+def test_no_credentials_on_a_server_with_auth_is_a_configuration_error(secured_etcd):
+    backend = _load(f"etcd://{secured_etcd.endpoint}/allowed")
+    with pytest.raises(ConfigurationError):
+        backend.check("exclusive:~check")
+
+
+def test_a_prefix_the_user_may_not_write_is_named_with_the_permission_to_grant(secured_etcd):
+    backend = _load(f"etcd://worker:pw@{secured_etcd.endpoint}/elsewhere")
+    with pytest.raises(ConfigurationError, match="readwrite"):
+        backend.check("exclusive:~check")
+
+
+def test_a_server_that_does_not_answer_is_unavailable_not_misconfigured():
+    backend = _load(f"etcd://127.0.0.1:{free_port()}")
+    with pytest.raises(BackendUnavailable):
+        backend.check("exclusive:~check")
+
+
+def test_tls_files_on_a_plain_url_are_refused():
+    with pytest.raises(ConfigurationError, match="etcds://"):
+        _load("etcd://127.0.0.1:2379?cacert=/etc/ca.pem")
+
+
+def test_fencing_tokens_are_the_clusters_revisions(etcd_url):
+    backend = _load(etcd_url)
+    first = backend.try_acquire("k", uuid.uuid4().hex, 5)
+    backend.release(first)
+    other = backend.try_acquire("other", uuid.uuid4().hex, 5)
+    second = backend.try_acquire("k", uuid.uuid4().hex, 5)
+    assert first.fencing_token < other.fencing_token < second.fencing_token
+
+
+@pytest.fixture
+def lossy(etcd_server):
+    proxy = ReplyDropper(etcd_server.port)
+    backend = _load(f"etcd://127.0.0.1:{proxy.port}/lossy-{uuid.uuid4().hex[:8]}")
+    direct = _load(backend.url.replace(str(proxy.port), str(etcd_server.port)))
+    yield backend, proxy, direct
+    proxy.close()
+
+
+def test_an_acquire_whose_reply_was_lost_is_read_back_as_granted(lossy):
+    backend, proxy, direct = lossy
+    owner = uuid.uuid4().hex
+    proxy.drop_reply_containing(b'"succeeded":true')
+    lease = backend.try_acquire("k", owner, 10)
+    assert proxy.dropped == 1
+    assert lease is not None
+    assert [(i.owner, i.fencing_token) for i in direct.holders_of("k")] == [
+        (owner, lease.fencing_token)
+    ]
+
+
+def test_a_release_whose_reply_was_lost_is_read_back_and_frees_the_key(lossy):
+    backend, proxy, direct = lossy
+    lease = backend.try_acquire("k", uuid.uuid4().hex, 10)
+    proxy.drop_reply_containing(b'"deleted":"1"')
+    assert backend.release(lease) is True
+    assert proxy.dropped == 1
+    assert direct.holders_of("k") == []
+
+
+def test_wait_is_woken_by_the_watch_not_by_polling(etcd_url, monkeypatch):
+    backend = _load(etcd_url)
+    lease = backend.try_acquire("k", uuid.uuid4().hex, 10)
+    reads = []
+    free_for = backend._free_for
+    monkeypatch.setattr(backend, "_free_for", lambda *a: reads.append(1) or free_for(*a))
+    threading.Timer(0.6, backend.release, [lease]).start()
+    started = time.monotonic()
+    backend.wait("k", timeout=5)
+    assert time.monotonic() - started < 1.5
+    assert len(reads) == 2, "one read before the release, one after the watch saw it"

@@ -1,0 +1,179 @@
+"""What only the MongoDB store has to show, on the wire-protocol stand-in (or the real
+server at MONGODB_URL), and the stand-in's own rules, each against its source."""
+
+from __future__ import annotations
+
+import datetime
+import uuid
+
+import pymongo
+import pytest
+from pymongo.errors import OperationFailure
+
+from celery_exclusive.backends import _load
+from celery_exclusive.backends.mongodb.backend import COLLECTION
+from celery_exclusive.errors import BackendUnavailable
+from tests.mongo_standin import MongoStandIn
+from tests.servers import ReplyDropper, free_port
+
+
+@pytest.fixture
+def store(mongodb_url):
+    backend = _load(mongodb_url)
+    yield backend
+    backend.close()
+
+
+@pytest.fixture
+def documents(store):
+    return store.collection().with_options(write_concern=pymongo.WriteConcern(1))
+
+
+def test_a_deleted_document_does_not_reset_the_fencing_token(store, documents):
+    first = store.try_acquire("k", uuid.uuid4().hex, 10)
+    store.release(first)
+    documents.delete_one({"_id": "k"})  # the TTL index, or an operator
+    second = store.try_acquire("k", uuid.uuid4().hex, 10)
+    assert second.fencing_token > first.fencing_token
+
+
+def test_a_refused_grant_leaves_the_document_as_it_was(store, documents):
+    store.try_acquire("k", uuid.uuid4().hex, 10)
+    before = documents.find_one({"_id": "k"})
+    assert store.try_acquire("k", uuid.uuid4().hex, 10) is None
+    assert documents.find_one({"_id": "k"}) == before
+
+
+def test_the_gc_index_is_a_ttl_index_on_gc_at(store, documents):
+    store.try_acquire("k", uuid.uuid4().hex, 10)
+    indexes = {i["name"]: i for i in documents.list_indexes()} if _real(store) else None
+    if indexes is not None:
+        assert indexes["gc_at_ttl"]["expireAfterSeconds"] == 0
+    doc = documents.find_one({"_id": "k"})
+    assert doc["gc_at"] > datetime.datetime.now() + datetime.timedelta(hours=23)
+
+
+def test_a_server_that_does_not_answer_is_unavailable():
+    backend = _load(f"mongodb://127.0.0.1:{free_port()}/x?serverSelectionTimeoutMS=300")
+    with pytest.raises(BackendUnavailable):
+        backend.check("exclusive:~check")
+
+
+def _real(store) -> bool:
+    return "stand-in" not in store.collection().database.client.server_info()["version"]
+
+
+# --- lost replies -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def lossy(mongo_server):
+    if not isinstance(mongo_server, MongoStandIn):
+        pytest.skip("the proxy is put in front of the stand-in's port")
+    proxy = ReplyDropper(mongo_server.port)
+    name = f"lossy_{uuid.uuid4().hex[:8]}"
+    backend = _load(f"mongodb://127.0.0.1:{proxy.port}/{name}?retryWrites=false")
+    direct = _load(f"{mongo_server.url}/{name}")
+    backend.store_time()
+    yield backend, proxy, direct
+    proxy.close()
+
+
+def test_an_acquire_whose_reply_was_lost_is_read_back_as_granted(lossy):
+    backend, proxy, direct = lossy
+    owner = uuid.uuid4().hex
+    proxy.drop_reply_containing(b"lastErrorObject")
+    lease = backend.try_acquire("k", owner, 10)
+    assert proxy.dropped == 1
+    assert lease is not None
+    assert [(i.owner, i.fencing_token) for i in direct.holders_of("k")] == [
+        (owner, lease.fencing_token)
+    ]
+
+
+def test_a_release_whose_reply_was_lost_is_read_back_and_frees_the_key(lossy):
+    backend, proxy, direct = lossy
+    lease = backend.try_acquire("k", uuid.uuid4().hex, 10)
+    proxy.drop_reply_containing(b"nModified")
+    assert backend.release(lease) is True
+    assert proxy.dropped == 1
+    assert direct.holders_of("k") == []
+
+
+# --- the stand-in's rules, each as the MongoDB source it cites has it -------------------
+
+
+@pytest.fixture
+def standin():
+    server = MongoStandIn().start()
+    client = pymongo.MongoClient(server.url, serverSelectionTimeoutMS=2000)
+    yield server, client["db"]["c"]
+    client.close()
+    server.stop()
+
+
+def test_standin_an_upsert_whose_filter_is_only_the_id_updates_the_existing_document(standin):
+    # write_ops_exec.cpp shouldRetryDuplicateKeyException: AND-of-EQ queries match.
+    _, c = standin
+    c.update_one({"_id": "k"}, [{"$set": {"n": 1}}], upsert=True)
+    c.update_one({"_id": "k"}, [{"$set": {"n": 2}}], upsert=True)
+    assert c.find_one({"_id": "k"})["n"] == 2
+
+
+def test_standin_an_upsert_may_not_test_its_query_with_expr(standin):
+    # parsed_update.cpp: QueryFeatureNotAllowed (224), whether a document matches or not.
+    _, c = standin
+    c.update_one({"_id": "k"}, [{"$set": {"n": 1}}], upsert=True)
+    with pytest.raises(OperationFailure) as info:
+        c.update_one({"_id": "k", "$expr": {"$eq": ["$n", 1]}}, [{"$set": {"n": 3}}], upsert=True)
+    assert info.value.code == 224
+    c.update_one({"_id": "k", "$expr": {"$eq": ["$n", 1]}}, [{"$set": {"n": 3}}])
+    assert c.find_one({"_id": "k"})["n"] == 3
+
+
+def test_standin_now_is_one_value_for_the_whole_command(standin):
+    # variables.cpp: $$NOW is fixed once per operation.
+    _, c = standin
+    c.update_one({"_id": "k"}, [{"$set": {"a": "$$NOW"}}, {"$set": {"b": "$$NOW"}}], upsert=True)
+    doc = c.find_one({"_id": "k"})
+    assert doc["a"] == doc["b"]
+
+
+def test_standin_size_of_a_missing_field_is_error_17124(standin):
+    _, c = standin
+    c.update_one({"_id": "k"}, [{"$set": {"n": 1}}], upsert=True)
+    with pytest.raises(OperationFailure) as info:
+        list(c.aggregate([{"$project": {"s": {"$size": "$nothing"}}}]))
+    assert info.value.code == 17124
+
+
+def test_standin_missing_and_null_sort_before_dates(standin):
+    # bsontypes.cpp canonicalizeBSONType: null/missing < ... < Date.
+    _, c = standin
+    c.update_one({"_id": "k"}, [{"$set": {"n": 1}}], upsert=True)
+    [doc] = c.aggregate([{"$project": {"gt": {"$gt": ["$nothing", "$$NOW"]}}}])
+    assert doc["gt"] is False
+
+
+def test_standin_ttl_pass_deletes_documents_whose_date_has_passed(standin):
+    # ttl.cpp TTLMonitor: expireAfterSeconds past the indexed date; non-dates stay.
+    server, c = standin
+    c.create_index("gc_at", expireAfterSeconds=0)
+    past = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=1)
+    c.update_one({"_id": "old"}, [{"$set": {"gc_at": {"$literal": past}}}], upsert=True)
+    c.update_one({"_id": "new"}, [{"$set": {"gc_at": {"$add": ["$$NOW", 60000]}}}], upsert=True)
+    c.update_one({"_id": "kept"}, [{"$set": {"gc_at": "not a date"}}], upsert=True)
+    assert server.store.ttl_pass() == 1
+    assert sorted(d["_id"] for d in c.find({})) == ["kept", "new"]
+
+
+def test_standin_refuses_what_it_does_not_implement(standin):
+    _, c = standin
+    with pytest.raises(OperationFailure):
+        c.update_one({"_id": "k"}, {"$set": {"n": 1}}, upsert=True)
+
+
+def test_the_store_uses_the_collection_it_documents(store, documents):
+    store.try_acquire("k", uuid.uuid4().hex, 10)
+    assert documents.name == COLLECTION
+    assert documents.find_one({"_id": "k"})["holders"][0]["o"]
