@@ -31,12 +31,12 @@ class ExclusiveError(Exception):
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         state = {name: getattr(self, name, None) for name in self.fields}
         return _ClassOrException(type(self)), (str(self),), state
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        for name, value in state.items():
+    def __setstate__(self, state: Optional[dict[str, Any]]) -> None:
+        for name, value in (state or {}).items():
             setattr(self, name, value)
         self.args = (*self.args[:1], *(getattr(self, name, None) for name in self.fields))
 
@@ -49,9 +49,10 @@ class _ClassOrException:
         self.cls = cls
 
     def __call__(self, *args: Any) -> BaseException:
-        return self.cls(*args)
+        error: BaseException = self.cls(*args)
+        return error
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         name = f"{self.cls.__module__}:{self.cls.__qualname__}"
         # symbol_by_name(name, aliases, imp, package, sep, default)
         return symbol_by_name, (name, None, None, None, ":", Exception)

@@ -192,7 +192,7 @@ def test_a_body_that_catches_max_retries_exceeded_keeps_its_lease(cluster):
     assert wait_until(lambda: read(cluster, "fallbacks"), timeout=15)
     assert cluster.holders("fallback"), "the key was given up for a retry never sent"
     with pytest.raises(DuplicateSkipped):
-        compat.hold_skip.delay("fallback", 0).get(timeout=10)
+        compat.hold_skip.delay("fallback", 0).get(timeout=60)
     assert result.get(timeout=20)["task_id"] == result.id  # ensure_held() did not raise
     assert [e["task_id"] for e in read_ledger(cluster.ledger)] == [result.id]
 
@@ -202,7 +202,7 @@ def test_a_body_going_on_after_retry_without_throw_keeps_its_lease(cluster):
     assert wait_until(lambda: read(cluster, "fallbacks"), timeout=15)
     assert cluster.holders("throwless")
     with pytest.raises(DuplicateSkipped):
-        compat.hold_skip.delay("throwless", 0).get(timeout=10)
+        compat.hold_skip.delay("throwless", 0).get(timeout=60)
     assert wait_until(lambda: len(read_ledger(cluster.ledger)) == 2, timeout=20)
     first, retried = read_ledger(cluster.ledger)
     assert first["task_id"] == retried["task_id"] == result.id
@@ -227,7 +227,7 @@ def test_a_direct_call_of_a_held_key_waits_on_its_own_and_never_requeues_its_cal
     assert [n["name"] for n in nodes].count("root") == 1, "the caller was requeued"
     [direct] = [n for n in nodes if n["name"] == "a" and n["task_id"] != holder.id]
     assert direct["task_id"] is None  # a call of its own, not the caller's message
-    holder.get(timeout=10)
+    holder.get(timeout=60)
     assert not logged(cluster, f"duplicate requeued key=exclusive:node:a task_id={root.id}")
 
 
@@ -251,7 +251,7 @@ def test_revoke_with_terminate_frees_the_lease_at_once(cluster, signame):
     assert wait_until(lambda: not cluster.holders(key), timeout=10)
     freed_after = time.monotonic() - revoked_at
     assert freed_after < 1.0, f"freed after {freed_after:.2f}s (lease_ttl is 20 s)"
-    assert compat.hold_skip.delay(key, 0).get(timeout=10)["token"] > 0
+    assert compat.hold_skip.delay(key, 0).get(timeout=60)["token"] > 0
 
 
 # --- the user's own base class -------------------------------------------------------
@@ -281,7 +281,7 @@ def test_our_request_frees_the_lease_of_a_killed_child(cluster, task):
     os.kill(info.holder["pid"], signal.SIGKILL)
     assert wait_until(lambda: not cluster.holders("audited-killed"), timeout=5), "lease_ttl 20"
     with pytest.raises(Exception, match="WorkerLost|SIGKILL|exited"):
-        result.get(timeout=10)
+        result.get(timeout=60)
     assert ("on_failure", result.id) in [
         (r["hook"], r["task_id"]) for r in read(cluster, "requests")
     ]
@@ -297,11 +297,11 @@ def test_the_users_throws_and_ours_are_both_expected_outcomes(cluster, task):
     assert wait_until(lambda: cluster.holders(f"throws-{task.name}"), timeout=15)
     duplicate = task.delay(f"throws-{task.name}", 0)
     with pytest.raises(DuplicateSkipped):
-        duplicate.get(timeout=10)
-    holder.get(timeout=10)
+        duplicate.get(timeout=60)
+    holder.get(timeout=60)
     failed = task.delay(f"throws-{task.name}", 0, True)
     with pytest.raises(compat.ExpectedError):
-        failed.get(timeout=10)
+        failed.get(timeout=60)
     for outcome in (
         f"{duplicate.id}] raised expected: DuplicateSkipped",
         f"{failed.id}] raised expected: ExpectedError",

@@ -56,7 +56,7 @@ def test_a_body_running_three_ttls_keeps_its_lease(cluster):
     holder = start_holding(ledger_app.hold_skip, "long", cluster.ttl * 3, cluster)
     time.sleep(cluster.ttl * 2)
     with pytest.raises(DuplicateSkipped):
-        ledger_app.hold_skip.delay("long", 0).get(timeout=10)
+        ledger_app.hold_skip.delay("long", 0).get(timeout=60)
     assert holder.get(timeout=30)["lost"] is False
     assert [e["task_id"] for e in read_ledger(cluster.ledger)] == [holder.id]
 

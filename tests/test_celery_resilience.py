@@ -114,4 +114,4 @@ def test_a_sigkilled_child_is_replaced_and_its_key_is_usable_again(cluster):
     [info] = cluster.holders("child")
     os.kill(info.holder["pid"], signal.SIGKILL)
     assert wait_until(lambda: not cluster.holders("child"), timeout=cluster.ttl + 1)
-    assert ledger_app.hold_skip.delay("child", 0).get(timeout=15)["token"] > info.fencing_token
+    assert ledger_app.hold_skip.delay("child", 0).get(timeout=60)["token"] > info.fencing_token

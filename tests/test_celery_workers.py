@@ -71,11 +71,11 @@ def test_skip_raises_duplicate_skipped_naming_the_key_and_the_holder(cluster):
     holder = start_holding(ledger_app.hold_skip, "busy", 1.5, cluster)
     duplicate = ledger_app.hold_skip.delay("busy", 0)
     with pytest.raises(DuplicateSkipped) as info:
-        duplicate.get(timeout=10)
+        duplicate.get(timeout=60)
     assert info.value.key == "exclusive:busy"
     assert info.value.holder_task_id == holder.id
     assert duplicate.state == "FAILURE"
-    holder.get(timeout=10)
+    holder.get(timeout=60)
 
 
 def test_requeue_runs_the_duplicate_after_the_holder_finishes(cluster):
@@ -105,7 +105,7 @@ def test_a_task_running_three_ttls_keeps_its_lease_and_excludes_duplicates(clust
     time.sleep(cluster.ttl * 2)
     duplicate = ledger_app.hold_skip.delay("long", 0)
     with pytest.raises(DuplicateSkipped):
-        duplicate.get(timeout=10)
+        duplicate.get(timeout=60)
     entry = holder.get(timeout=30)
     assert entry["lost"] is False
     assert [e["task_id"] for e in read_ledger(cluster.ledger)] == [holder.id]
@@ -119,13 +119,13 @@ def test_the_lease_is_released_when_the_body_ends_abnormally(cluster, how):
     result = ledger_app.fail.delay(f"exit-{how}", how)
     if how == "raise":
         with pytest.raises(ValueError):
-            result.get(timeout=10)
+            result.get(timeout=60)
         assert cluster.holders(f"exit-{how}") == []
     else:
         key = f"exit-{how}".encode()
         assert wait_until(lambda: key in cluster.ledger.lrange("entered", 0, -1), timeout=10)
         assert wait_until(lambda: not cluster.holders(f"exit-{how}"), timeout=10)
-    ledger_app.hold_skip.delay(f"exit-{how}", 0).get(timeout=10)
+    ledger_app.hold_skip.delay(f"exit-{how}", 0).get(timeout=60)
 
 
 def test_a_retry_does_not_find_its_own_lease(cluster):
@@ -136,13 +136,13 @@ def test_a_retry_does_not_find_its_own_lease(cluster):
 
 def test_the_lease_is_released_after_a_soft_time_limit(cluster):
     with pytest.raises(SoftTimeLimitExceeded):
-        ledger_app.overrun.delay("soft").get(timeout=10)
+        ledger_app.overrun.delay("soft").get(timeout=60)
     assert cluster.holders("soft") == []
 
 
 def test_the_main_process_frees_the_lease_of_a_child_killed_by_a_hard_time_limit(cluster):
     with pytest.raises(TimeLimitExceeded):
-        ledger_app.overrun_hard.delay("hard").get(timeout=10)
+        ledger_app.overrun_hard.delay("hard").get(timeout=60)
     # Its lease lasts 30 s: gone long before, the main process released it.
     assert wait_until(lambda: not cluster.holders("hard"), timeout=10)
 
@@ -155,8 +155,8 @@ def test_the_main_process_frees_the_lease_of_a_sigkilled_child(cluster):
     freed = wait_until(lambda: not cluster.holders("killed"), timeout=10)
     assert freed, "expected the worker's main process to release it"
     with pytest.raises(Exception, match="WorkerLost|SIGKILL|exited"):
-        result.get(timeout=10)
-    ledger_app.hold_skip.delay("killed", 0).get(timeout=10)
+        result.get(timeout=60)
+    ledger_app.hold_skip.delay("killed", 0).get(timeout=60)
 
 
 # --- signals ----------------------------------------------------------------------
@@ -166,8 +166,8 @@ def test_signals_fire_inside_the_worker(cluster):
     holder = start_holding(ledger_app.hold_skip, "signalled", 1.0, cluster)
     duplicate = ledger_app.hold_skip.delay("signalled", 0)
     with pytest.raises(DuplicateSkipped):
-        duplicate.get(timeout=10)
-    holder.get(timeout=10)
+        duplicate.get(timeout=60)
+    holder.get(timeout=60)
     seen = [json.loads(raw) for raw in cluster.ledger.lrange("signals", 0, -1)]
     # Each process writes its own signals to the ledger: the holder's acquisition and
     # the duplicate's detection, in two processes, may be written in either order.

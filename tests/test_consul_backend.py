@@ -95,6 +95,18 @@ def test_the_session_ttl_comes_from_the_first_lease_and_bounds_later_leases(back
     assert later.ttl == 12  # so the heartbeat renews often enough for the session
 
 
+def test_a_grant_on_a_session_idle_for_most_of_its_life_still_lives_its_ttl(backends):
+    """An idle process's heartbeat renews nothing; Consul invalidates a session 2 x TTL
+    after its last renewal, so a key locked late in that span would die early."""
+    backend = backends()
+    first = backend.try_acquire("idle-a", owner(), 1.0)
+    backend.release(first)
+    time.sleep(1.6)  # the session, last renewed at its creation, has 0.4 s left
+    late = backend.try_acquire("idle-b", owner(), 1.0)
+    time.sleep(0.9)  # within the new lease's ttl, past the session's old deadline
+    assert backend.renew([late]) == set()
+
+
 def test_a_forked_child_opens_its_own_session(backends, monkeypatch):
     backend = backends()
     backend.try_acquire("a", owner(), 10)

@@ -43,9 +43,9 @@ def test_two_workers_never_overlap_runs_of_one_key_on_consul(cluster):
 def test_a_duplicate_on_consul_is_skipped_naming_the_holder(cluster):
     holder = start_holding(ledger_app.hold_skip, "busy", 1.0, cluster)
     with pytest.raises(DuplicateSkipped) as info:
-        ledger_app.hold_skip.delay("busy", 0).get(timeout=15)
+        ledger_app.hold_skip.delay("busy", 0).get(timeout=60)
     assert info.value.holder_task_id == holder.id
-    holder.get(timeout=15)
+    holder.get(timeout=60)
 
 
 def test_wait_on_consul_is_woken_by_the_release(cluster):
@@ -62,10 +62,10 @@ def test_a_key_with_double_slashes_and_dots_works_end_to_end_on_consul(cluster):
     holder = start_holding(ledger_app.hold_skip, key, 1.0, cluster)
     assert [info.key for info in cluster.holders(key)] == ["exclusive:" + key]
     with pytest.raises(DuplicateSkipped):
-        ledger_app.hold_skip.delay(key, 0).get(timeout=15)
-    holder.get(timeout=15)
+        ledger_app.hold_skip.delay(key, 0).get(timeout=60)
+    holder.get(timeout=60)
     assert cluster.holders(key) == []
-    assert ledger_app.hold_skip.delay(key, 0).get(timeout=15)["key"] == key
+    assert ledger_app.hold_skip.delay(key, 0).get(timeout=60)["key"] == key
 
 
 def test_the_main_process_frees_a_sigkilled_childs_consul_lease_at_once(cluster):
@@ -75,8 +75,8 @@ def test_the_main_process_frees_a_sigkilled_childs_consul_lease_at_once(cluster)
     # Its session lives 30-60 s more (ttl 30): gone long before, the main process freed it.
     assert wait_until(lambda: not cluster.holders("killed"), timeout=5)
     with pytest.raises(Exception, match="WorkerLost|SIGKILL|exited"):
-        result.get(timeout=10)
-    assert ledger_app.hold_skip.delay("killed", 0).get(timeout=10)["key"] == "killed"
+        result.get(timeout=60)
+    assert ledger_app.hold_skip.delay("killed", 0).get(timeout=60)["key"] == "killed"
 
 
 def test_a_token_without_key_write_fails_the_task_with_the_named_error(cluster):

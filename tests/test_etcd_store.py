@@ -126,3 +126,16 @@ def test_wait_is_woken_by_the_watch_not_by_polling(etcd_url, monkeypatch):
     backend.wait("k", timeout=5)
     assert time.monotonic() - started < 1.5
     assert len(reads) == 2, "one read before the release, one after the watch saw it"
+
+
+def test_a_grant_on_an_etcd_lease_idle_for_most_of_its_life_still_lives_its_ttl(etcd_url):
+    """A process's keys share one etcd lease, which only the heartbeat of held leases
+    keeps alive: a key put on it late in its life would die before its own ttl."""
+    backend = _load(etcd_url)
+    first = backend.try_acquire("idle-a", uuid.uuid4().hex, 2.0)
+    backend.release(first)
+    time.sleep(1.5)  # the etcd lease, granted with the first acquire, is near its end
+    late = backend.try_acquire("idle-b", uuid.uuid4().hex, 2.0)
+    time.sleep(1.0)  # within the new lease's ttl, past the etcd lease's old deadline
+    assert backend.holders_of("idle-b") != []
+    backend.close()

@@ -156,7 +156,9 @@ def test_a_callable_key_gets_the_raw_args_and_kwargs():
     [((), {}), ((7, "EUR", "extra"), {}), ((7,), {"wrong_arg": 5})],
     ids=["missing", "too many", "unexpected keyword"],
 )
-@pytest.mark.parametrize("spec", [None, "invoice:{invoice_id}", lambda a, k: "k"], ids=repr)
+@pytest.mark.parametrize(
+    "spec", [None, "invoice:{invoice_id}", lambda a, k: "k"], ids=["default", "format", "callable"]
+)
 def test_a_call_that_does_not_match_the_signature_raises_the_type_error_a_call_would(call, spec):
     args, kwargs = call
     with pytest.raises(TypeError) as expected:

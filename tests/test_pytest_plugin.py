@@ -153,9 +153,9 @@ WORKER_TESTS = """
     def test_a_worker_skips_a_duplicate_of_a_held_key(exclusive_store, settle):
         with exclusive_store.hold(settle, 7, task_id="other-worker"):
             with pytest.raises(DuplicateSkipped) as info:
-                settle.delay(7).get(timeout=10)
+                settle.delay(7).get(timeout=60)
         assert info.value.holder_task_id == "other-worker"
-        assert settle.delay(7).get(timeout=10) == "settled 7"
+        assert settle.delay(7).get(timeout=60) == "settled 7"
 
     def test_a_worker_requeues_until_the_key_is_free(exclusive_store, settle):
         settle.exclusive_on_duplicate = "requeue"
@@ -163,7 +163,7 @@ WORKER_TESTS = """
             result = settle.delay(7)
             time.sleep(0.5)
             assert not result.ready()
-        assert result.get(timeout=10) == "settled 7"
+        assert result.get(timeout=60) == "settled 7"
 """
 
 
@@ -273,8 +273,8 @@ def test_with_pytest_celery_installed_eager_tests_and_its_session_worker_work(
                 celery_session_worker.reload()
                 with exclusive_store.hold(mark, 1):
                     with pytest.raises(DuplicateSkipped):
-                        mark.delay(1).get(timeout=10)
-                assert mark.delay(1).get(timeout=10) == 1
+                        mark.delay(1).get(timeout=60)
+                assert mark.delay(1).get(timeout=60) == 1
             """
         )
     )

@@ -145,8 +145,25 @@ class ConsulCore(Backend):
     # -- the session ----------------------------------------------------------
 
     def _session(self, ttl: float) -> tuple[str, float]:
-        """This process's session id and TTL, created with ``ttl`` if there is none."""
+        """This process's session id and TTL, created with ``ttl`` if there is none.
+
+        A session last renewed more than a third of its TTL ago is renewed first: a key
+        locked now must live a full TTL, and Consul counts that from the last renewal
+        (an idle process's heartbeat renews nothing).
+        """
         state = self._process()
+        with state.lock:
+            session_id, session_ttl, renewed_at = (
+                state.session_id,
+                state.session_ttl,
+                state.renewed_at,
+            )
+        if session_id is not None and time.monotonic() - renewed_at > session_ttl / 3:
+            sent = time.monotonic()
+            if self._call("renewing the session", self._renew_session, session_id):
+                state.renewed_at = sent
+            else:
+                state.forget_session(session_id)
         with state.lock:
             if state.session_id is None:
                 session_ttl = self._session_ttl(ttl)

@@ -22,6 +22,9 @@ revisions read). ``wait()`` watches ``R k/E/`` from the revision it read.
 Each process keeps one etcd lease per distinct lease ttl (whole seconds, rounded up),
 granted on its first acquire and kept alive by ``renew()`` (the heartbeat). A process
 that dies stops renewing it, and etcd deletes every key attached to it after its ttl.
+A key put on that shared lease lives only as long as the lease has left, so the lease
+is granted LEASE_SLACK seconds longer than the ttl and an acquire first keeps it alive
+when it was last kept alive more than LEASE_SLACK ago: every grant outlives its ttl.
 """
 
 from __future__ import annotations
@@ -62,6 +65,9 @@ MAX_TXN_OPS = 100
 ORPHAN_SECONDS = 60.0
 #: An acquire or release whose answer was lost is read back for at most this long.
 RECONCILE_LIMIT = 5.0
+#: Seconds a process's etcd lease outlives the ttl it serves: a key put on it within
+#: that long after the lease was last kept alive still lives a full ttl.
+LEASE_SLACK = 1
 
 
 def _range_end(prefix: bytes) -> bytes:
@@ -142,6 +148,8 @@ class EtcdBackend(Backend):
         self._pid = os.getpid()
         #: lease ttl in whole seconds -> this process's etcd lease id for it
         self._leases: dict[int, str] = {}
+        #: etcd lease id -> monotonic time its last grant or keepalive was sent
+        self._kept_alive: dict[str, float] = {}
         #: holder keys whose acquire or release answer was lost -> until when to delete them
         self._orphans: dict[bytes, float] = {}
 
@@ -162,20 +170,42 @@ class EtcdBackend(Backend):
     def _process_state(self) -> None:
         if self._pid != os.getpid():  # a forked child: its parent's leases are not its own
             self._pid, self._leases, self._orphans = os.getpid(), {}, {}
+            self._kept_alive = {}
 
     def _lease_for(self, ttl: float) -> str:
+        """This process's etcd lease for ``ttl``, with at least ``ttl`` seconds left."""
         seconds = max(1, math.ceil(ttl))
         with self._lock:
             self._process_state()
             lease_id = self._leases.get(seconds)
+            sent = self._kept_alive.get(lease_id or "", 0.0)
+        if lease_id is not None and time.monotonic() - sent > LEASE_SLACK:
+            if not self._keep_alive(lease_id):
+                lease_id = None
         if lease_id is None:
-            answer = self._call("granting an etcd lease", "lease/grant", {"TTL": seconds})
+            sent = time.monotonic()
+            answer = self._call(
+                "granting an etcd lease", "lease/grant", {"TTL": seconds + LEASE_SLACK}
+            )
             with self._lock:
                 lease_id = self._leases.setdefault(seconds, answer["ID"])
+                self._kept_alive.setdefault(lease_id, sent)
         return lease_id
+
+    def _keep_alive(self, lease_id: str) -> bool:
+        """Keep an etcd lease alive; False (and forgotten) if it had expired."""
+        sent = time.monotonic()
+        answer = self._call("renewing the etcd lease", "lease/keepalive", {"ID": lease_id})
+        if int(answer.get("result", {}).get("TTL", 0)) <= 0:
+            self._forget_lease(lease_id)  # expired: every key on it is gone
+            return False
+        with self._lock:
+            self._kept_alive[lease_id] = sent
+        return True
 
     def _forget_lease(self, lease_id: str) -> None:
         with self._lock:
+            self._kept_alive.pop(lease_id, None)
             for seconds, known in list(self._leases.items()):
                 if known == lease_id:
                     del self._leases[seconds]
@@ -291,9 +321,7 @@ class EtcdBackend(Backend):
             orphans = list(self._orphans)
             lease_ids = {self._leases.get(max(1, math.ceil(lease.ttl))) for lease in leases}
         for lease_id in lease_ids - {None}:
-            answer = self._call("renewing the etcd lease", "lease/keepalive", {"ID": lease_id})
-            if int(answer.get("result", {}).get("TTL", 0)) <= 0:
-                self._forget_lease(lease_id)  # expired: every key on it is gone
+            self._keep_alive(lease_id)
         kept: set[bytes] = set()
         deletes = [{"request_delete_range": {"key": b64(k)}} for k in orphans]
         reads = [self.layout.holder(lease.key, lease.owner) for lease in leases]

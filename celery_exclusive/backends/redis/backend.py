@@ -110,8 +110,9 @@ class RedisBackend(Backend):
     def _run(self, name: str, action: str, key: str, keys: list, args: list):
         return self._call(action, key, self._script(name), keys=keys, args=args)
 
-    def _fresh_master(self) -> None:
-        """Behind Sentinel: follow a switch of master within MASTER_CHECK_INTERVAL.
+    def _fresh_master(self, force: bool = False) -> None:
+        """Behind Sentinel: follow a switch of master within MASTER_CHECK_INTERVAL, or
+        at once when ``force`` is set.
 
         Sentinels that do not answer leave the master as it was (nobody can promote
         another meanwhile); sentinels that refuse the URL's credentials stop the caller.
@@ -119,7 +120,7 @@ class RedisBackend(Backend):
         if self.options.topology != "sentinel":
             return
         now = time.monotonic()
-        if now - self._master_checked < MASTER_CHECK_INTERVAL:
+        if not force and now - self._master_checked < MASTER_CHECK_INTERVAL:
             return
         self._master_checked = now
         pool = self.client.connection_pool
@@ -206,6 +207,13 @@ class RedisBackend(Backend):
         return {group[i - 1] for group, lost in zip(groups, answers) for i in lost}
 
     def release(self, lease: Lease) -> bool:
+        # Behind Sentinel a release asks who the master is first, whenever it last
+        # asked: a demoted master keeps taking writes for seconds after a switch, so a
+        # grant it made that never reached the new master would be "released" there
+        # and its run would pass for clean. On the new master the release finds the
+        # lease missing, and the holder reports the run lost. A body shorter than a
+        # renewal interval has no other moment to learn it.
+        self._fresh_master(force=True)
         key = lease.key
         names = layout.entries(key)
         keys = [names.lease, names.holders, names.line, names.signal, names.waiting]
