@@ -179,9 +179,9 @@ class EtcdBackend(Backend):
             self._process_state()
             lease_id = self._leases.get(seconds)
             sent = self._kept_alive.get(lease_id or "", 0.0)
-        if lease_id is not None and time.monotonic() - sent > LEASE_SLACK:
-            if not self._keep_alive(lease_id):
-                lease_id = None
+        stale = lease_id is not None and time.monotonic() - sent > LEASE_SLACK
+        if stale and not self._keep_alive(lease_id):
+            lease_id = None
         if lease_id is None:
             sent = time.monotonic()
             answer = self._call(
