@@ -139,3 +139,25 @@ def test_a_grant_on_an_etcd_lease_idle_for_most_of_its_life_still_lives_its_ttl(
     time.sleep(1.0)  # within the new lease's ttl, past the etcd lease's old deadline
     assert backend.renew([late]) == set()
     backend.close()
+
+
+def test_a_key_whose_release_failed_in_an_outage_is_deleted_once_etcd_answers():
+    """The process's etcd lease outlives the outage (etcd keeps leases across a restart)
+    and its acquires keep it alive, so the key would never expire by itself."""
+    server = EtcdServer()
+    server.start()
+    try:
+        backend = _load(f"{server.url}/released")
+        stuck = backend.try_acquire("stuck", uuid.uuid4().hex, 2.0)
+        server.stop()
+        with pytest.raises(BackendUnavailable):
+            backend.release(stuck)
+        server.start()
+        for i in range(8):  # other work of the same process, 4 s: two ttls
+            other = backend.try_acquire(f"other-{i}", uuid.uuid4().hex, 2.0)
+            backend.release(other)
+            time.sleep(0.5)
+        assert backend.holders_of("stuck") == []
+        backend.close()
+    finally:
+        server.cleanup()

@@ -29,13 +29,22 @@ def store(redis_url):
     backend.close()
 
 
-def test_one_beat_renews_every_held_lease_in_one_round_trip(store, redis_server):
-    leases = [acquire(store, f"k{i}", ttl=30, name="t") for i in range(5)]
-    heartbeat().beat()  # the first call of a script also loads it (NOSCRIPT, then EVALSHA)
-    before = evalsha_calls(store.client)
-    heartbeat().beat()
-    assert evalsha_calls(store.client) - before == 1
-    assert all(store.client.pttl(layout.lease(lease.key)) > 29_000 for lease in leases)
+def test_one_beat_renews_every_held_lease_in_one_round_trip():
+    server = RedisServer()  # its own: no other test's client counts in its commandstats
+    server.start()
+    store = RedisBackend(server.url)
+    try:
+        leases = [acquire(store, f"k{i}", ttl=30, name="t") for i in range(5)]
+        heartbeat().beat()  # the first call of a script also loads it (NOSCRIPT, EVALSHA)
+        before = evalsha_calls(store.client)
+        heartbeat().beat()
+        assert evalsha_calls(store.client) - before == 1
+        assert all(store.client.pttl(layout.lease(lease.key)) > 29_000 for lease in leases)
+    finally:
+        for lease in heartbeat().held():
+            lease.release()
+        store.close()
+        server.cleanup()
 
 
 def test_a_lease_outlives_its_ttl_while_the_heartbeat_runs(store):

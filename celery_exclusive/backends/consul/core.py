@@ -162,6 +162,8 @@ class ConsulCore(Backend):
             sent = time.monotonic()
             if self._call("renewing the session", self._renew_session, session_id):
                 state.renewed_at = sent
+                # Locks left by lost answers live as long as the session: free them.
+                self._settle_orphans()
             else:
                 state.forget_session(session_id)
         with state.lock:
@@ -201,6 +203,33 @@ class ConsulCore(Backend):
         """Renew the session; False if Consul no longer knows it (HTTP 404)."""
         answer = self.http.call("PUT", f"/v1/session/renew/{session_id}", expect=(200, 404))
         return answer.status == 200
+
+    def _settle_orphans(self) -> None:
+        """Free locks this process's session holds without a lease (see ``Orphan``)."""
+        state = self._process()
+        with state.lock:
+            orphans, session_id = list(state.orphans.values()), state.session_id
+        for orphan in orphans:
+            try:
+                entry = self._get(orphan.path, consistent=True)
+                mine = (
+                    entry is not None
+                    and entry.session == session_id
+                    and entry.record().get("owner") == orphan.owner
+                )
+                if mine:
+                    self._txn(
+                        [
+                            op("check-index", orphan.path, index=entry.modify_index),
+                            op("delete", orphan.path),
+                        ]
+                    )
+                    logger.warning("freed %s, a lock left by a lost answer", orphan.path)
+                if mine or time.monotonic() > orphan.until:
+                    with state.lock:
+                        state.orphans.pop(orphan.path, None)
+            except (ConsulError, TxnConflict) as exc:
+                logger.warning("could not yet free %s (%s); trying again", orphan.path, exc)
 
     def store_time(self) -> float:
         """The agent's clock (its ``Date`` header; see ``http.AgentClock``).

@@ -23,7 +23,7 @@ from ..base import Lease
 from ..limits import check_limit
 from ..line import LINE, admit
 from .core import CAS_ATTEMPTS, MAX_TXN_OPS, ConsulCore, SessionGone, TxnConflict
-from .http import Ambiguous, ConsulError, Unavailable
+from .http import Ambiguous, Unavailable
 from .kv import Entry, Layout, op, pack_mark, unpack_mark
 
 logger = logging.getLogger("celery_exclusive")
@@ -291,33 +291,6 @@ class Locks(ConsulCore):
                 if state.held.get(lease.key) == (lease.owner, lease.fencing_token):
                     del state.held[lease.key]
         return lost
-
-    def _settle_orphans(self) -> None:
-        """Free locks this process's session holds without a lease (see ``Orphan``)."""
-        state = self._process()
-        with state.lock:
-            orphans, session_id = list(state.orphans.values()), state.session_id
-        for orphan in orphans:
-            try:
-                entry = self._get(orphan.path, consistent=True)
-                mine = (
-                    entry is not None
-                    and entry.session == session_id
-                    and entry.record().get("owner") == orphan.owner
-                )
-                if mine:
-                    self._txn(
-                        [
-                            op("check-index", orphan.path, index=entry.modify_index),
-                            op("delete", orphan.path),
-                        ]
-                    )
-                    logger.warning("freed %s, a lock left by a lost answer", orphan.path)
-                if mine or time.monotonic() > orphan.until:
-                    with state.lock:
-                        state.orphans.pop(orphan.path, None)
-            except (ConsulError, TxnConflict) as exc:
-                logger.warning("could not yet free %s (%s); trying again", orphan.path, exc)
 
     # -- release --------------------------------------------------------------
 

@@ -60,8 +60,9 @@ from .client import (
 CAS_ATTEMPTS = 8
 #: Operations per transaction (etcd's default --max-txn-ops is 128).
 MAX_TXN_OPS = 100
-#: Seconds a key whose acquire or release answer was lost stays on the list the
-#: heartbeat deletes: a write etcd had in its pipeline lands within that.
+#: Seconds a key whose acquire answer was lost stays on the list of keys to delete: a
+#: write etcd had in its pipeline lands within that. A key whose release failed stays
+#: on it until a delete succeeds: this process keeps its etcd lease alive, and so the key.
 ORPHAN_SECONDS = 60.0
 #: An acquire or release whose answer was lost is read back for at most this long.
 RECONCILE_LIMIT = 5.0
@@ -180,8 +181,10 @@ class EtcdBackend(Backend):
             lease_id = self._leases.get(seconds)
             sent = self._kept_alive.get(lease_id or "", 0.0)
         stale = lease_id is not None and time.monotonic() - sent > LEASE_SLACK
-        if stale and not self._keep_alive(lease_id):
-            lease_id = None
+        if stale:
+            self._delete_orphans()  # kept alive with the lease: delete them first
+            if not self._keep_alive(lease_id):
+                lease_id = None
         if lease_id is None:
             sent = time.monotonic()
             answer = self._call(
@@ -308,31 +311,42 @@ class EtcdBackend(Backend):
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
-    def _orphan(self, holder_key: bytes) -> None:
+    def _orphan(self, holder_key: bytes, seconds: float = ORPHAN_SECONDS) -> None:
         with self._lock:
-            self._orphans[holder_key] = time.monotonic() + ORPHAN_SECONDS
+            self._orphans[holder_key] = time.monotonic() + seconds
 
-    def renew(self, leases: Iterable[Lease]) -> set[Lease]:
-        leases = list(leases)
+    def _delete_orphans(self) -> None:
+        """Delete the holder keys left by lost answers and failed releases (one
+        transaction); a failed release's key is forgotten once a delete succeeded."""
         with self._lock:
             self._process_state()
             now = time.monotonic()
             self._orphans = {k: until for k, until in self._orphans.items() if until > now}
             orphans = list(self._orphans)
+        for start in range(0, len(orphans), MAX_TXN_OPS):  # none: no request
+            chunk = orphans[start : start + MAX_TXN_OPS]
+            deletes = [{"request_delete_range": {"key": b64(k)}} for k in chunk]
+            self._txn("deleting keys left by failed releases", [], deletes)
+            with self._lock:
+                for k in chunk:
+                    if self._orphans.get(k) == math.inf:
+                        del self._orphans[k]
+
+    def renew(self, leases: Iterable[Lease]) -> set[Lease]:
+        leases = list(leases)
+        with self._lock:
+            self._process_state()
             lease_ids = {self._leases.get(max(1, math.ceil(lease.ttl))) for lease in leases}
+        self._delete_orphans()
         for lease_id in lease_ids - {None}:
             self._keep_alive(lease_id)
         kept: set[bytes] = set()
-        deletes = [{"request_delete_range": {"key": b64(k)}} for k in orphans]
         reads = [self.layout.holder(lease.key, lease.owner) for lease in leases]
-        operations = deletes + [_range(name, count_only=True) for name in reads]
-        for start in range(0, len(operations), MAX_TXN_OPS):
-            chunk = operations[start : start + MAX_TXN_OPS]
+        for start in range(0, len(reads), MAX_TXN_OPS):
+            chunk = [_range(name, count_only=True) for name in reads[start : start + MAX_TXN_OPS]]
             answer = self._txn(f"renewing {len(leases)} lease(s)", [], chunk)
             for operation, response in zip(chunk, answer.get("responses", [])):
-                if "request_range" in operation and int(
-                    response.get("response_range", {}).get("count", 0)
-                ):
+                if int(response.get("response_range", {}).get("count", 0)):
                     kept.add(unb64(operation["request_range"]["key"]))
         return {lease for lease, name in zip(leases, reads) if name not in kept}
 
@@ -343,9 +357,11 @@ class EtcdBackend(Backend):
                 f"releasing {lease.key!r}", "kv/deleterange", {"key": b64(holder_key)}
             )
         except BackendUnavailable as error:
+            # Deleted later, by the heartbeat or the next acquire: this process keeps its
+            # etcd lease alive, so the key would not expire by itself.
+            self._orphan(holder_key, math.inf)
             if not _maybe_sent(_cause_of(error)):
                 raise
-            self._orphan(holder_key)  # the heartbeat deletes it if it is still there
             found = self._read_back(holder_key, lease.ttl)
             if found is None:
                 raise
