@@ -25,4 +25,5 @@ if [ ${#missing[@]} -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 python3 -m pip install -q -e ".[test]"
-python3 -m pytest "$@"
+# One file per process (--dist loadfile): a module's servers and workers stay in one.
+python3 -m pytest -n "${TEST_PROCESSES:-4}" --dist loadfile "$@"
