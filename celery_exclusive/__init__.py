@@ -1,8 +1,8 @@
 """celery-exclusive: mutual exclusion for Celery tasks and RQ jobs.
 
 A task runs only while its worker holds a lease on the task's key. Leases live in
-Redis, Consul or SQLite, are renewed by a heartbeat while the body runs, released on
-every exit path, and expire on their own when a worker dies.
+Redis, PostgreSQL, etcd, Consul, MongoDB or SQLite, are renewed by a heartbeat while
+the body runs, released on every exit path, and expire on their own when a worker dies.
 """
 
 from .backends import Backend, Lease, LeaseInfo, backend_for_url, register_scheme

@@ -94,7 +94,7 @@ def check_default_store_directory(url: str) -> None:
         raise ConfigurationError(
             f"the default lease store {path} cannot be used: {exc}. Set "
             "exclusive_backend_url to a sqlite:/// file this user can write, or to a "
-            "redis:// or consul:// URL."
+            "shared store's URL (redis://, postgresql://, etcd://, consul://, ...)."
         ) from None
     uid = os.getuid() if hasattr(os, "getuid") else owner
     if owner != uid:
@@ -113,8 +113,9 @@ def announce_store(url: str, default: bool) -> None:
         logger.warning(
             "celery-exclusive: leases live in %s, the default store: a file private to this "
             "app and user, which coordinates only this host's workers of this app. Set "
-            "exclusive_backend_url to a redis:// or consul:// URL to coordinate several "
-            "hosts (or to a sqlite:/// file of your choice to silence this).",
+            "exclusive_backend_url to a shared store (redis://, postgresql://, etcd://, "
+            "consul://, ...) to coordinate several hosts (or to a sqlite:/// file of your "
+            "choice to silence this).",
             url,
         )
     elif scheme == "sqlite":

@@ -74,16 +74,16 @@ def work(self, key: str, job: int, duration: float) -> None:
 
 @signals.after_task_publish.connect
 def _published(sender, body, **extra) -> None:
-    """When each copy of a job was sent (the first, and every requeue): a copy sent just
-    before its fetching worker was SIGKILLed can be lost in the broker's fetch window."""
+    """When the last copy of a job was sent (the first, or a requeue): a copy no worker
+    started before a whole worker was SIGKILLed can be lost in the broker's fetch window."""
     if sender == "chaos.work":
         job = body[0][1]  # protocol 2: (args, kwargs, embed)
         ledger().hset("published", job, time.time())
 
 
 @signals.task_prerun.connect
-def _seen(task_id, task, args, **extra) -> None:
-    """Note that a worker received the job: one missing later was lost after this point,
-    not by the broker in the window between a fetch and its unacked bookkeeping."""
+def _started(task_id, task, args, **extra) -> None:
+    """Note when a worker last started a copy of the job: a copy published after that
+    and never started may have been lost by the broker (see the harness)."""
     if task.name == "chaos.work":
-        ledger().sadd("seen", args[1])
+        ledger().hset("started", args[1], time.time())

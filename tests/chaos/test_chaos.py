@@ -37,10 +37,10 @@ def _assert_safe_and_live(outcome: dict) -> None:
     overlaps = forbidden_overlaps(outcome["entries"])
     assert overlaps == [], f"runs of one key overlapped: {overlaps[:3]}"
     # The Redis broker can lose a message when a whole worker is SIGKILLed between its
-    # fetch (BRPOP) and its unacked bookkeeping: a job whose first copy no worker ever
-    # saw, or whose last copy (a requeue) was sent just before such a kill. Any other
-    # job that never completed is a failure of ours.
-    broker_lost = set(outcome["missing_never_seen"]) | set(outcome["missing_in_fetch_window"])
+    # fetch (BRPOP) and its unacked bookkeeping: a job whose last copy (the first, or a
+    # requeue) no worker started and which was sent before such a kill. Any other job
+    # that never completed is a failure of ours.
+    broker_lost = set(outcome["missing_in_fetch_window"])
     lost_by_us = sorted(set(outcome["missing"]) - broker_lost)
     assert lost_by_us == [], f"received jobs that never completed: {lost_by_us[:20]}"
     if broker_lost:
