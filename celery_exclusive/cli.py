@@ -203,8 +203,8 @@ def _holder_field(name: str, value: Any) -> str:
 @click.pass_obj
 @one_line_errors
 def release(target: Target, key: str, yes: bool) -> None:
-    """Free KEY whoever holds it. Its running holder is not stopped: it will find its
-    lease lost at the next renewal."""
+    """Free KEY whoever holds it. Its running holder finds its lease lost at its next
+    renewal (and, under on_lease_lost="terminate", is stopped then)."""
     full = target.full_key(key)
     shown = display.one_line(full, limit=None)
     backend = target.backend
@@ -239,6 +239,17 @@ def watch(target: Target, interval: float, count: int) -> None:
                 time.sleep(interval)
     except KeyboardInterrupt:
         pass
+
+
+@exclusive.command()
+@click.pass_obj
+@one_line_errors
+def migrate(target: Target) -> None:
+    """Create what the store needs before workers use it (PostgreSQL's tables), as the
+    URL's user: run once by an owner where the workers' role may not create tables."""
+    backend = target.backend
+    done = backend.migrate()
+    click.echo(f"{backend.safe_url}: {done or 'this store needs nothing created'}")
 
 
 def main() -> None:

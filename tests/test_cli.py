@@ -232,3 +232,9 @@ def test_a_missing_client_library_is_one_line_naming_the_extra(tmp_path):
     assert out.stderr.count("\n") == 1, out.stderr
     assert "pip install 'celery-exclusive[redis]'" in out.stderr
     assert out.stderr.startswith("Error: exclusive_backend_url uses redis://")
+
+
+def test_migrate_says_a_store_without_tables_needs_nothing(store):
+    result = run(store, "migrate")
+    assert result.exit_code == 0, result.output
+    assert result.output.rstrip().endswith(": this store needs nothing created")

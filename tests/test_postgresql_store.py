@@ -10,9 +10,10 @@ import uuid
 
 import psycopg
 import pytest
+from click.testing import CliRunner
 
 from celery_exclusive.backends import _load
-from celery_exclusive.backends.postgresql import migrate
+from celery_exclusive.cli import exclusive
 from celery_exclusive.errors import BackendUnavailable, ConfigurationError
 from tests.servers import ReplyDropper, free_port
 
@@ -70,10 +71,13 @@ def test_a_role_that_may_not_create_the_tables_is_told_what_to_grant_or_run(
         backend.check("exclusive:~check")
 
 
-def test_after_migrate_a_role_with_only_row_privileges_keeps_leases(
+def test_after_the_migrate_command_a_role_with_only_row_privileges_keeps_leases(
     postgres_server, schema, limited_role
 ):
-    assert migrate(f"{postgres_server.url}?schema={schema}") == 1
+    owners_url = f"{postgres_server.url}?schema={schema}"
+    result = CliRunner().invoke(exclusive, ["--backend", owners_url, "migrate"])
+    assert result.exit_code == 0, result.output
+    assert result.output.rstrip().endswith("are in place (schema version 1)")
     with admin(postgres_server) as conn:
         conn.execute(
             f"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {schema} "

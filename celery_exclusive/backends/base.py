@@ -196,6 +196,15 @@ class Backend(abc.ABC):
         """
         return time.time()
 
+    def migrate(self) -> Optional[str]:
+        """Create what the store needs before workers use it, as the URL's user; return
+        what was done, or None where a store needs nothing (the default).
+
+        For databases whose workers' role may not create tables: an owner runs
+        ``celery exclusive --backend <owner's URL> migrate`` once.
+        """
+        return None
+
     def check(self, probe_key: str) -> list[str]:
         """Check, once at worker (or beat) start, that leases can be kept here.
 

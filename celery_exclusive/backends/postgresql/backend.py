@@ -520,16 +520,16 @@ class PostgreSQLBackend(Backend):
             )
         return warnings
 
-    def migrate(self) -> int:
-        """Create the store's tables (and ``?schema=``) now, as this URL's role; return
-        the schema version. What a ``migrate`` command runs for a locked-down database,
-        with an owner's URL."""
+    def migrate(self) -> str:
+        """Create the store's tables (and ``?schema=``) now, as this URL's role. What
+        ``celery exclusive migrate`` runs for a locked-down database, with an owner's URL."""
 
         def create(conn: psycopg.Connection) -> int:
             schema.create(conn, self.settings.schema)
             return schema.installed_version(conn, self.settings.schema) or schema.SCHEMA_VERSION
 
-        return self._call("creating the tables", create, txn=False)
+        version = self._call("creating the tables", create, txn=False)
+        return f"the exclusive_* tables are in place (schema version {version})"
 
     def close(self) -> None:
         with self._connection_lock:

@@ -39,8 +39,8 @@ _POOLER = (
 _PERMANENT_SQLSTATES = {
     pg_errors.InsufficientPrivilege: (
         "grant the role SELECT, INSERT, UPDATE, DELETE on the exclusive_* tables (and "
-        "CREATE on the schema for the first start, or create them once with "
-        "celery_exclusive.backends.postgresql.migrate)"
+        "CREATE on the schema for the first start, or create them once as the owner "
+        "with: celery exclusive --backend <owner's URL> migrate)"
     ),
     pg_errors.ReadOnlySqlTransaction: (
         "the URL points at a read-only server (a standby); point it at the primary, "

@@ -48,12 +48,13 @@ def create(conn: psycopg.Connection, schema: Optional[str]) -> None:
         conn.execute(schema_sql())
 
 
-def migrate(url: str) -> int:
-    """Create the store's tables at ``url`` (as a role allowed to); return the version.
+def migrate(url: str) -> str:
+    """Create the store's tables at ``url`` (as a role allowed to); say what was done.
 
     For databases where the workers' role may only read and write rows: run this (or
-    ``schema.sql``) once as the owner, then grant the workers SELECT, INSERT, UPDATE
-    and DELETE on the ``exclusive_*`` tables.
+    ``celery exclusive --backend URL migrate``, or ``schema.sql``) once as the owner,
+    then grant the workers SELECT, INSERT, UPDATE and DELETE on the ``exclusive_*``
+    tables.
     """
     from .backend import PostgreSQLBackend
 
