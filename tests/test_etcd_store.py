@@ -12,7 +12,7 @@ import pytest
 
 from celery_exclusive.backends import _load
 from celery_exclusive.errors import BackendUnavailable, ConfigurationError
-from tests.servers import EtcdServer, ReplyDropper, free_port
+from tests.servers import EtcdServer, free_port
 
 
 @pytest.fixture(scope="module")
@@ -83,36 +83,6 @@ def test_fencing_tokens_are_the_clusters_revisions(etcd_url):
     other = backend.try_acquire("other", uuid.uuid4().hex, 5)
     second = backend.try_acquire("k", uuid.uuid4().hex, 5)
     assert first.fencing_token < other.fencing_token < second.fencing_token
-
-
-@pytest.fixture
-def lossy(etcd_server):
-    proxy = ReplyDropper(etcd_server.port)
-    backend = _load(f"etcd://127.0.0.1:{proxy.port}/lossy-{uuid.uuid4().hex[:8]}")
-    direct = _load(backend.url.replace(str(proxy.port), str(etcd_server.port)))
-    yield backend, proxy, direct
-    proxy.close()
-
-
-def test_an_acquire_whose_reply_was_lost_is_read_back_as_granted(lossy):
-    backend, proxy, direct = lossy
-    owner = uuid.uuid4().hex
-    proxy.drop_reply_containing(b'"succeeded":true')
-    lease = backend.try_acquire("k", owner, 10)
-    assert proxy.dropped == 1
-    assert lease is not None
-    assert [(i.owner, i.fencing_token) for i in direct.holders_of("k")] == [
-        (owner, lease.fencing_token)
-    ]
-
-
-def test_a_release_whose_reply_was_lost_is_read_back_and_frees_the_key(lossy):
-    backend, proxy, direct = lossy
-    lease = backend.try_acquire("k", uuid.uuid4().hex, 10)
-    proxy.drop_reply_containing(b'"deleted":"1"')
-    assert backend.release(lease) is True
-    assert proxy.dropped == 1
-    assert direct.holders_of("k") == []
 
 
 def test_wait_is_woken_by_the_watch_not_by_polling(etcd_url, monkeypatch):

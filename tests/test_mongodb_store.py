@@ -14,7 +14,7 @@ from celery_exclusive.backends import _load
 from celery_exclusive.backends.mongodb.backend import COLLECTION
 from celery_exclusive.errors import BackendUnavailable
 from tests.mongo_standin import MongoStandIn
-from tests.servers import ReplyDropper, free_port
+from tests.servers import free_port
 
 
 @pytest.fixture
@@ -61,43 +61,6 @@ def test_a_server_that_does_not_answer_is_unavailable():
 
 def _real(store) -> bool:
     return "stand-in" not in store.collection().database.client.server_info()["version"]
-
-
-# --- lost replies -----------------------------------------------------------------------
-
-
-@pytest.fixture
-def lossy(mongo_server):
-    if not isinstance(mongo_server, MongoStandIn):
-        pytest.skip("the proxy is put in front of the stand-in's port")
-    proxy = ReplyDropper(mongo_server.port)
-    name = f"lossy_{uuid.uuid4().hex[:8]}"
-    backend = _load(f"mongodb://127.0.0.1:{proxy.port}/{name}?retryWrites=false")
-    direct = _load(f"{mongo_server.url}/{name}")
-    backend.store_time()
-    yield backend, proxy, direct
-    proxy.close()
-
-
-def test_an_acquire_whose_reply_was_lost_is_read_back_as_granted(lossy):
-    backend, proxy, direct = lossy
-    owner = uuid.uuid4().hex
-    proxy.drop_reply_containing(b"lastErrorObject")
-    lease = backend.try_acquire("k", owner, 10)
-    assert proxy.dropped == 1
-    assert lease is not None
-    assert [(i.owner, i.fencing_token) for i in direct.holders_of("k")] == [
-        (owner, lease.fencing_token)
-    ]
-
-
-def test_a_release_whose_reply_was_lost_is_read_back_and_frees_the_key(lossy):
-    backend, proxy, direct = lossy
-    lease = backend.try_acquire("k", uuid.uuid4().hex, 10)
-    proxy.drop_reply_containing(b"nModified")
-    assert backend.release(lease) is True
-    assert proxy.dropped == 1
-    assert direct.holders_of("k") == []
 
 
 # --- the stand-in's rules, each as the MongoDB source it cites has it -------------------

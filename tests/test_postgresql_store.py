@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from celery_exclusive.backends import _load
 from celery_exclusive.cli import exclusive
 from celery_exclusive.errors import BackendUnavailable, ConfigurationError
-from tests.servers import ReplyDropper, free_port
+from tests.servers import free_port
 
 
 @pytest.fixture
@@ -95,37 +95,6 @@ def test_tokens_keep_rising_when_the_fence_counters_are_lost(store, schema, post
         conn.execute(f"TRUNCATE {schema}.exclusive_fences")  # a restore that lost them
     second = store.try_acquire("k", uuid.uuid4().hex, 10)
     assert second.fencing_token > first.fencing_token
-
-
-@pytest.fixture
-def lossy(postgres_server, schema):
-    """The store reached through a proxy that can lose one reply."""
-    proxy = ReplyDropper(postgres_server.port)
-    backend = _load(f"{postgres_server.url_for(port=proxy.port)}?schema={schema}")
-    backend.store_time()  # connected, tables made
-    yield backend, proxy
-    backend.close()
-    proxy.close()
-
-
-def test_an_acquire_whose_commit_reply_was_lost_is_read_back_as_granted(lossy, store):
-    backend, proxy = lossy
-    proxy.drop_reply_containing(b"COMMIT\x00")
-    lease = backend.try_acquire("k", uuid.uuid4().hex, 10)
-    assert proxy.dropped == 1
-    assert lease is not None
-    assert [(i.owner, i.fencing_token) for i in store.holders_of("k")] == [
-        (lease.owner, lease.fencing_token)
-    ]
-
-
-def test_a_release_whose_reply_was_lost_is_read_back_and_frees_the_key(lossy, store):
-    backend, proxy = lossy
-    lease = backend.try_acquire("k", uuid.uuid4().hex, 10)
-    proxy.drop_reply_containing(b"SELECT 1\x00")
-    assert backend.release(lease) is True
-    assert proxy.dropped == 1
-    assert store.holders_of("k") == []
 
 
 def test_wait_is_woken_by_the_release_notification_not_by_polling(store, monkeypatch):
