@@ -37,6 +37,8 @@ def markdown(machine: dict, load: dict, r: dict) -> str:
         ]
         lines += [f"| {name} | {rate:,.0f} |" for name, rate in p["per_second"].items()]
         lines.append("")
+    if "breakdown" in r:
+        lines += breakdown(r["breakdown"])
     if "handoff" in r:
         lines += [
             "**Handoff** — holder's release to the waiting duplicate's start, on another worker:",
@@ -159,3 +161,23 @@ def chart(r: dict, path: Path) -> None:
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+def breakdown(b: dict) -> list[str]:
+    """Where a task's lease costs go (benchmarks/breakdown.py), in µs."""
+    pairs, calls = b["pairs_us"], b["calls_us"]
+    floor = pairs["raw SET NX PX + DEL"]
+    lines = [
+        f"**Breakdown** — one process, one key, median of {b['rounds']} interleaved rounds "
+        f"of {b['cycles']} cycles (µs per cycle; ratio to the raw pair or the plain call):",
+        "",
+        "| what | µs | ratio |",
+        "|---|---:|---:|",
+    ]
+    lines += [f"| {name} | {us:.1f} | {us / floor:.2f}x |" for name, us in pairs.items()]
+    plain = calls["plain Task.__call__"]
+    lines += [f"| {name} | {us:.1f} | {us / plain:.2f}x |" for name, us in calls.items()]
+    lines += [f"| {name} | {us:.2f} | |" for name, us in b["parts_us"].items()]
+    lines += [f"| store time: {name} | {us:.2f} | |" for name, us in b["script_us"].items()]
+    lines.append("")
+    return lines

@@ -28,6 +28,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 FULL = {
     "overhead": {"n": 400, "rounds": 9},
     "primitive": {"pairs": 3000, "rounds": 5},
+    "breakdown": {"cycles": 2000, "rounds": 5},
     "handoff": {"samples": {"wait": 100, "requeue": 15}},
     "failover": {"trials": 3},
     "scale": {"n": 400},
@@ -38,6 +39,7 @@ ONLY_WHEN_NAMED = {"beat"}
 QUICK = {
     "overhead": {"n": 100, "rounds": 2},
     "primitive": {"pairs": 300, "rounds": 2},
+    "breakdown": {"cycles": 200, "rounds": 2},
     "handoff": {"samples": {"wait": 5, "requeue": 2}},
     "failover": {"trials": 1},
     "scale": {"n": 60, "processes": [1, 2], "key_counts": [1, 100]},

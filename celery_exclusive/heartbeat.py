@@ -38,6 +38,11 @@ RETRY_FIRST = 0.05
 #: worst phase of an outage half a ttl long) is followed by a renewal in time.
 RETRY_SHARE = 1 / 15
 RETRY_MAX = 1.0
+#: For this many beats after its last lease was taken, a process without leases keeps
+#: beating as if it still held one: short tasks leave it without a lease between two of
+#: them, and the next lease then finds the thread asleep until a beat soon enough, with
+#: no wake-up (a thread switch per task) needed.
+IDLE_BEATS = 3
 
 
 @dataclass
@@ -65,6 +70,8 @@ class Heartbeat:
         self._outages: dict[Backend, _Outage] = {}
         #: Seconds the last beat started after it was due (a starved thread shows here).
         self.lag = 0.0
+        #: When the last lease was added (monotonic), and a third of its ttl.
+        self._last_added, self._last_interval = 0.0, 0.0
 
     def add(self, lease: HeldLease) -> None:
         with self._lock:
@@ -76,8 +83,10 @@ class Heartbeat:
                 self._thread.start()
             # Wake the thread only if this lease needs a beat sooner than the one it
             # sleeps until: waking it on every acquire costs a thread switch per task.
+            now = time.monotonic()
+            self._last_added, self._last_interval = now, lease.ttl / 3
             sleeping_until = self._sleeping_until
-            wake = sleeping_until is None or time.monotonic() + lease.ttl / 3 < sleeping_until
+            wake = sleeping_until is None or now + lease.ttl / 3 < sleeping_until
         if wake:
             self._wake.set()
 
@@ -106,8 +115,11 @@ class Heartbeat:
                 interval = self._interval()
                 now = time.monotonic()
                 if interval is None:
-                    due = None
                     self._outages.clear()
+                    if now - self._last_added >= IDLE_BEATS * self._last_interval:
+                        due = None  # idle for long: asleep until the next lease
+                    elif due is None:
+                        due = now + self._last_interval  # see IDLE_BEATS
                 else:
                     # An added lease may shorten the interval; the next beat never moves
                     # later, so a steady stream of new leases cannot postpone renewals.

@@ -14,7 +14,6 @@ import os
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
@@ -140,12 +139,13 @@ class HeldLease:
                 "the store no longer had it when its holder released it: it expired or "
                 "was taken while the body ran"
             )
-        signals.lease_released.send(
-            sender=self.name,
-            key=self.key,
-            task_id=self.task_id,
-            held_for=time.monotonic() - self.acquired_at,
-        )
+        if signals.lease_released.receivers:
+            signals.lease_released.send(
+                sender=self.name,
+                key=self.key,
+                task_id=self.task_id,
+                held_for=time.monotonic() - self.acquired_at,
+            )
         return freed
 
     def on_loss(self, listener: LossListener) -> None:
@@ -251,12 +251,19 @@ def acquire(
         "acquired_at": time.time(),
         **(holder or {}),
     }
-    grant = backend.try_acquire(key, uuid.uuid4().hex, ttl, limit, record, claimant=claimant)
+    grant = backend.try_acquire(key, new_owner(), ttl, limit, record, claimant=claimant)
     if grant is None:
         return None
     lease = HeldLease(backend, grant, name, task_id)
     heartbeat().add(lease)
-    signals.lease_acquired.send(
-        sender=name, key=key, task_id=task_id, fencing_token=grant.fencing_token
-    )
+    if signals.lease_acquired.receivers:
+        signals.lease_acquired.send(
+            sender=name, key=key, task_id=task_id, fencing_token=grant.fencing_token
+        )
     return lease
+
+
+def new_owner() -> str:
+    """A grant's owner token: 128 random bits, as hex (what ``uuid4().hex`` gives, at a
+    quarter of its cost)."""
+    return os.urandom(16).hex()

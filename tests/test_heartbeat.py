@@ -54,6 +54,29 @@ def test_a_lease_outlives_its_ttl_while_the_heartbeat_runs(store):
     assert store.holders_of("k")[0].owner == lease.grant.owner
 
 
+def test_a_lease_taken_just_after_the_last_was_released_outlives_its_ttl(store):
+    acquire(store, "a", ttl=0.6, name="t").release()
+    time.sleep(0.1)  # the heartbeat finds the process without a lease
+    lease = acquire(store, "b", ttl=0.6, name="t")
+    time.sleep(2.0)
+    assert not lease.lost
+    assert store.holders_of("b")[0].owner == lease.grant.owner
+
+
+def test_a_lease_taken_just_after_the_last_was_released_does_not_wake_the_heartbeat(store):
+    """Short tasks leave a process without a lease between two of them; the next lease
+    finds the heartbeat asleep until a beat soon enough for it (no thread switch)."""
+    acquire(store, "a", ttl=30, name="t").release()
+    beats = heartbeat()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (
+        beats._wake.is_set() or (beats._sleeping_until or 0) < time.monotonic() + 5
+    ):
+        time.sleep(0.01)  # until the thread sleeps towards its next beat
+    acquire(store, "b", ttl=30, name="t")
+    assert not beats._wake.is_set()
+
+
 def test_the_heartbeat_thread_starts_with_the_first_lease_not_at_import():
     script = (
         "import threading, celery_exclusive\n"

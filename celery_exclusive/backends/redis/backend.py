@@ -108,7 +108,18 @@ class RedisBackend(Backend):
         return None
 
     def _run(self, name: str, action: str, key: str, keys: list, args: list):
-        return self._call(action, key, self._script(name), keys=keys, args=args)
+        return self._call(action, key, self._evalsha, self._script(name), keys, args)
+
+    def _evalsha(self, script, keys: list, args: list):
+        """``EVALSHA`` straight through the client (what redis-py's ``Script`` does,
+        minus its per-call checks); a store that lost its scripts (a restart, a
+        failover, ``SCRIPT FLUSH``) gets the script again."""
+        client = self.client
+        try:
+            return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            script.sha = client.script_load(script.script)
+            return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
 
     def _fresh_master(self, force: bool = False) -> None:
         """Behind Sentinel: follow a switch of master within MASTER_CHECK_INTERVAL, or

@@ -58,10 +58,9 @@ end
 
 #: The line of waiters, as backends/line.py reads it.
 _LINE = """
--- The entries of the line stored at `line_key` (nil if none or unreadable), and the
--- ids of those whose `until` (store seconds) is after `now_s`, first first.
-local function read_line(line_key, now_s)
-  local raw = redis.call('GET', line_key)
+-- The entries of the line `raw` as stored (nil if none or unreadable), and the ids of
+-- those whose `until` (store seconds) is after `now_s`, first first.
+local function parse_line(raw, now_s)
   if not raw then
     return nil, {}
   end
@@ -80,6 +79,11 @@ local function read_line(line_key, now_s)
     end
   end
   return entries, live
+end
+
+-- The same, for the line stored at `line_key`.
+local function read_line(line_key, now_s)
+  return parse_line(redis.call('GET', line_key), now_s)
 end
 
 -- The 0-based place of `claimant` among the `live` ids; #live if it is not there.
@@ -118,6 +122,10 @@ _WAKE = """
 -- list (the acquire script admits nobody else), else, if a waiter outside the line
 -- blocks (`waiting_key` is set), the key's list; else nobody, and nothing is written.
 local function wake(line_key, signal_key, waiting_key, slots, signal_ttl)
+  -- Nobody in line and nobody blocking (the uncontended case): one read, no write.
+  if redis.call('EXISTS', line_key, waiting_key) == 0 then
+    return
+  end
   local signal = nil
   if redis.call('EXISTS', line_key) == 1 then
     local _, live = read_line(line_key, now_us() / 1000000)
@@ -142,11 +150,11 @@ end
 FENCE_TTL_MS = 24 * 3600 * 1000
 
 _TOKEN = f"""
--- The next fencing token of a key: above the last one and never below now (µs), so it
--- keeps rising when the counter is lost (restart, eviction, failover).
-local function next_token(fence_key, now)
-  local last = tonumber(redis.call('GET', fence_key) or '0')
-  return math.max(last + 1, now)
+-- The next fencing token of a key whose fence holds `last` (false if none): above the
+-- last one and never below now (µs), so it keeps rising when the counter is lost
+-- (restart, eviction, failover).
+local function next_token(last, now)
+  return math.max(tonumber(last or '0') + 1, now)
 end
 
 -- Keep `token` as the key's last; integers below 2^53 format exactly with %d.
@@ -169,14 +177,16 @@ local holder, claimant = ARGV[4], ARGV[5]  -- claimant: '' when the caller is no
 
 local now = now_us()
 local now_ms = math.floor(now / 1000)
-local entries, live = read_line(line_key, now / 1000000)
+-- The line and the fence in one read (entries of one key: one hash slot).
+local line, last = unpack(redis.call('MGET', line_key, fence_key))
+local entries, live = parse_line(line, now / 1000000)
 local place = place_of(live, claimant)
 
 if limit == 1 then
   if place > 0 then
     return false
   end
-  local token = next_token(fence_key, now)
+  local token = next_token(last, now)
   local value = owner_prefix(owner) .. string.format('%d', token) .. ' ' .. holder
   if redis.call('SET', lease_key, value, 'NX', 'PX', ttl) then
     keep_token(fence_key, token, ttl)
@@ -211,7 +221,7 @@ end
 if place >= limit - held then
   return false
 end
-local token = next_token(fence_key, now)
+local token = next_token(last, now)
 keep_token(fence_key, token, ttl)
 redis.call('ZADD', lease_key, now_ms + ttl, owner)
 redis.call('HSET', holders_key, 'limit', limit, 'h:' .. owner,
