@@ -25,6 +25,7 @@ ACL_COMMANDS = [
     "evalsha",
     "script|load",
     "get",
+    "mget",
     "set",
     "del",
     "exists",
