@@ -21,7 +21,9 @@ from typing import Any, Callable, Optional
 
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.sentinel import MasterNotFoundError
 
 from ...errors import BackendUnavailable, ConfigurationError, ExclusiveError
@@ -136,7 +138,30 @@ class RedisBackend(Backend):
         self._master_checked = now
         pool = self.client.connection_pool
         with contextlib.suppress(BackendUnavailable):
+            self._call("asking the sentinels for the master", None, self._newest_sentinel_first)
             self._call("asking the sentinels for the master", None, pool.get_master_address)
+
+    def _newest_sentinel_first(self) -> None:
+        """Ask every sentinel, and put first the one whose view of the master is the
+        newest (the highest ``config-epoch``): redis-py takes the first sentinel's
+        answer, and a sentinel that did not run the failover learns of it only from
+        the others' hello messages, seconds later. Meanwhile it names the old master,
+        which may be back up and taking writes."""
+        pool = self.client.connection_pool
+        manager, service = pool.sentinel_manager, pool.service_name
+        newest: Optional[tuple[int, int]] = None  # (config-epoch, index)
+        for index, sentinel in enumerate(manager.sentinels):
+            try:
+                state = sentinel.sentinel_masters().get(service)
+            except (RedisConnectionError, RedisTimeoutError):
+                continue  # not answering: the others decide
+            if state and manager.check_master_state(state, service):
+                epoch = int(state.get("config-epoch") or 0)
+                if newest is None or epoch > newest[0]:
+                    newest = (epoch, index)
+        if newest is not None and newest[1]:
+            sentinels = manager.sentinels
+            sentinels[0], sentinels[newest[1]] = sentinels[newest[1]], sentinels[0]
 
     # --- leases ---------------------------------------------------------------------
 
