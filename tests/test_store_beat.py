@@ -8,6 +8,7 @@ import signal
 
 import pytest
 
+from celery_exclusive.backends.etcd.backend import LEASE_SLACK
 from tests import test_beat as beat
 from tests.test_store_workers import STORES, store_url
 from tests.workers import Worker
@@ -39,8 +40,8 @@ def test_across_a_kill_and_a_sigterm_every_tick_is_sent_exactly_once(beat_stack)
 
     assert beat.duplicates(ticks) == []
     assert beat.missing(ticks) <= window_kill | window_term, stack.logs()
-    # etcd leases last whole seconds: the dead leader's lasts ceil(ttl).
-    assert killed <= math.ceil(beat.TTL) + beat.RETRY + beat.SLACK
+    # etcd leases last whole seconds: the dead leader's lasts ceil(ttl) + LEASE_SLACK.
+    assert killed <= math.ceil(beat.TTL) + LEASE_SLACK + beat.RETRY + beat.SLACK
     assert handed <= beat.RETRY + beat.SLACK
     assert {t["pid"] for t in ticks} == {first.pid, second.pid, third.pid}
     assert not any("Traceback" in b.output() for b in beats), stack.logs()
