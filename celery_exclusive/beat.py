@@ -44,7 +44,7 @@ from celery.utils.imports import load_extension_class_names, symbol_by_name
 
 from . import config, startup
 from .backends import Backend, backend_for_url
-from .beat_entries import adopt, catch_up, total_run_count_of, write_through
+from .beat_entries import adopt, baseline_changes, catch_up, total_run_count_of, write_through
 from .beat_records import SentRun, already_sent, as_utc
 from .errors import BackendUnavailable, ConfigurationError
 from .lease import HeldLease, acquire, heartbeat
@@ -227,6 +227,7 @@ class LeaderScheduler(Scheduler):
         to the inner scheduler's store.
         """
         if not self.inner_ready:
+            baseline_changes(self.inner)
             self.inner.setup_schedule()
             self.inner_ready = True
         moved = []

@@ -138,3 +138,18 @@ def row_of(entry: Any) -> Optional[Any]:
     ):
         return None
     return model
+
+
+def baseline_changes(scheduler: Any) -> None:
+    """Give a scheduler that reloads on a change marker its baseline before it first
+    reads its entries.
+
+    django-celery-beat's ``DatabaseScheduler`` reloads when ``PeriodicTasks.last_change``
+    moved since its previous check, and its first check, the one after the initial
+    read, has nothing to compare with: an admin's edit saved between that read and that
+    check (a task disabled, an interval changed) is never picked up, until the
+    five-minute full reload. Checking once before the read sets the baseline.
+    """
+    check = getattr(scheduler, "schedule_changed", None)
+    if callable(check) and getattr(scheduler, "_last_timestamp", False) is None:
+        check()

@@ -235,3 +235,29 @@ def test_a_follower_writes_nothing_to_the_schedulers_tables_until_it_leads(app, 
     other.close()
     run_due(follower)
     assert follower.lease is not None and follower.inner_ready
+
+
+class EditedRightAfterItsFirstRead(DatabaseScheduler):
+    """An admin disables ``to-disable`` just after the scheduler's initial read of its rows,
+    before its first check for changes."""
+
+    edited = False
+
+    def all_as_schedule(self):
+        schedule = super().all_as_schedule()
+        if not self.edited:
+            self.edited = True
+            task = row("to-disable")
+            task.enabled = False
+            task.save(update_fields=["enabled"])
+        return schedule
+
+
+def test_an_edit_saved_right_after_the_first_read_of_the_rows_is_picked_up(app, sent):
+    app.conf.exclusive_beat_scheduler = EditedRightAfterItsFirstRead
+    periodic("to-disable", 1, due_in=-1)
+    a = LeaderScheduler(app)
+    for _ in range(3):
+        run_due(a)
+        time.sleep(1.05)
+    assert sent.count("to-disable") <= 1
