@@ -306,7 +306,8 @@ class LeaderScheduler(Scheduler):
         if self._claim(entry, advanced):
             self.inner.apply_entry(entry, producer=producer)
             # The inner scheduler's reserve() noted the run; store it now, not in minutes.
-            self.sync()
+            if self._leading_now():
+                write_through(self.inner, [advanced if advanced is not None else entry])
 
     def _claim(self, entry: ScheduleEntry, advanced: Optional[ScheduleEntry]) -> bool:
         """The compare-and-set before a send: True if this beat may send ``entry`` now.

@@ -11,9 +11,11 @@ No scheduler is named here; entries are told apart by what they have:
 
 - an entry backed by a database row (``entry.model`` and ``entry.save()``, as
   django-celery-beat's ``ModelEntry`` and schedulers built like it): the run is set on
-  the row's model too, and the entry's own ``save()`` writes it. That writes only
-  ``last_run_at`` and ``total_run_count`` onto a freshly read row, so an admin's edit
-  of other fields made meanwhile is kept, and with ``no_changes`` set it does not bump
+  the row's model too, and written as one ``UPDATE`` of ``last_run_at`` and
+  ``total_run_count`` alone (a Django model; any other row through the entry's own
+  ``save()``). ``ModelEntry.save()`` reads the row and writes every column back, so an
+  admin's edit committed between its read and its write (a task disabled) would be
+  undone; the ``UPDATE`` keeps it, and, sending no signal, does not bump
   ``PeriodicTasks.last_change`` (no reload follows);
 - any other entry (Celery's ``Scheduler``, ``PersistentScheduler``): set on the entry,
   which lives in the scheduler's schedule; the scheduler's ``sync()`` persists it.
@@ -101,14 +103,22 @@ def write_through(scheduler: Any, entries: Iterable[Any]) -> None:
     A store that fails is logged and left for the scheduler's next sync: the record
     keeps the truth, and refuses whatever a stale copy would send again.
     """
-    saved = set()
+    saved, in_schedule = set(), False
     for entry in entries:
         model = row_of(entry)
-        if model is None or id(model) in saved:
+        if model is None:
+            in_schedule = True
+            continue
+        if id(model) in saved:
             continue
         saved.add(id(model))
         try:
-            entry.save()
+            _save_run(entry, model)
+            dirty = getattr(scheduler, "_dirty", None)
+            if isinstance(dirty, set):
+                # django-celery-beat's note to save it in its next sync(), which would
+                # write the whole row again: what _save_run spares the admin's edits.
+                dirty.discard(entry.name)
         except Exception as exc:  # a third-party store: whatever it raises, beat goes on
             logger.warning(
                 "beat: could not write the last run of %s to the scheduler's database "
@@ -117,6 +127,8 @@ def write_through(scheduler: Any, entries: Iterable[Any]) -> None:
                 type(exc).__name__,
                 exc,
             )
+    if not in_schedule:
+        return  # rows written; the scheduler's own sync would write them again, whole
     try:
         scheduler.sync()
     except Exception as exc:
@@ -126,6 +138,17 @@ def write_through(scheduler: Any, entries: Iterable[Any]) -> None:
             type(exc).__name__,
             exc,
         )
+
+
+def _save_run(entry: Any, model: Any) -> None:
+    """Write the entry's last run and run count onto its row, and nothing else."""
+    manager = getattr(type(model), "_default_manager", None)
+    if manager is None:  # not a Django model: the entry knows how to save itself
+        entry.save()
+        return
+    manager.filter(pk=model.pk).update(
+        last_run_at=model.last_run_at, total_run_count=model.total_run_count
+    )
 
 
 def row_of(entry: Any) -> Optional[Any]:

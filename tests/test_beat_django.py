@@ -261,3 +261,24 @@ def test_an_edit_saved_right_after_the_first_read_of_the_rows_is_picked_up(app, 
         run_due(a)
         time.sleep(1.05)
     assert sent.count("to-disable") <= 1
+
+
+def test_a_send_is_written_to_its_row_as_its_run_columns_alone(app, sent):
+    """An admin's save committed while the leader writes a send back (a task disabled)
+    is kept: the write touches last_run_at and total_run_count, not the whole row."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    task = periodic("every-1s", 1, due_in=-1)
+    a = LeaderScheduler(app)
+    run_due(a)  # takes over, sends once
+    time.sleep(1.05)
+    with CaptureQueriesContext(connection) as queries:
+        run_due(a)
+    assert len(sent) == 2
+    writes = [
+        q["sql"]
+        for q in queries.captured_queries
+        if q["sql"].startswith("UPDATE") and f'"id" = {task.pk}' in q["sql"]
+    ]
+    assert writes and all('"enabled"' not in sql for sql in writes), writes

@@ -111,7 +111,37 @@ def test_a_task_running_three_ttls_keeps_its_lease_and_excludes_duplicates(clust
     assert [e["task_id"] for e in read_ledger(cluster.ledger)] == [holder.id]
 
 
+# --- signals ----------------------------------------------------------------------
+
+
+def test_signals_fire_inside_the_worker(cluster):
+    holder = start_holding(ledger_app.hold_skip, "signalled", 1.0, cluster)
+    duplicate = ledger_app.hold_skip.delay("signalled", 0)
+    with pytest.raises(DuplicateSkipped):
+        duplicate.get(timeout=60)
+    holder.get(timeout=60)
+    seen = [json.loads(raw) for raw in cluster.ledger.lrange("signals", 0, -1)]
+    # Each process writes its own signals to the ledger: the holder's acquisition and
+    # the duplicate's detection, in two processes, may be written in either order.
+    assert sorted((s["signal"], s["task_id"]) for s in seen) == sorted(
+        [
+            ("lease_acquired", holder.id),
+            ("duplicate_detected", duplicate.id),
+            ("lease_released", holder.id),
+        ]
+    )
+    holder_signals = [s["signal"] for s in seen if s["task_id"] == holder.id]
+    assert holder_signals == ["lease_acquired", "lease_released"]
+    [detected] = [s for s in seen if s["signal"] == "duplicate_detected"]
+    assert detected["policy"] == "skip" and detected["holder_task_id"] == holder.id
+    assert {s["key"] for s in seen} == {"exclusive:signalled"}
+
+
 # --- release on every exit ----------------------------------------------------------
+#
+# Last in the module: the tests that kill a pool child. Celery's prefork pool can leave a
+# task it received just after a child's SIGKILL unrun for a long while, so no test of
+# other behaviour runs on these workers after them.
 
 
 @pytest.mark.parametrize("how", ["raise", "ignore", "reject"])
@@ -157,29 +187,3 @@ def test_the_main_process_frees_the_lease_of_a_sigkilled_child(cluster):
     with pytest.raises(Exception, match="WorkerLost|SIGKILL|exited"):
         result.get(timeout=60)
     ledger_app.hold_skip.delay("killed", 0).get(timeout=60)
-
-
-# --- signals ----------------------------------------------------------------------
-
-
-def test_signals_fire_inside_the_worker(cluster):
-    holder = start_holding(ledger_app.hold_skip, "signalled", 1.0, cluster)
-    duplicate = ledger_app.hold_skip.delay("signalled", 0)
-    with pytest.raises(DuplicateSkipped):
-        duplicate.get(timeout=60)
-    holder.get(timeout=60)
-    seen = [json.loads(raw) for raw in cluster.ledger.lrange("signals", 0, -1)]
-    # Each process writes its own signals to the ledger: the holder's acquisition and
-    # the duplicate's detection, in two processes, may be written in either order.
-    assert sorted((s["signal"], s["task_id"]) for s in seen) == sorted(
-        [
-            ("lease_acquired", holder.id),
-            ("duplicate_detected", duplicate.id),
-            ("lease_released", holder.id),
-        ]
-    )
-    holder_signals = [s["signal"] for s in seen if s["task_id"] == holder.id]
-    assert holder_signals == ["lease_acquired", "lease_released"]
-    [detected] = [s for s in seen if s["signal"] == "duplicate_detected"]
-    assert detected["policy"] == "skip" and detected["holder_task_id"] == holder.id
-    assert {s["key"] for s in seen} == {"exclusive:signalled"}
