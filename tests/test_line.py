@@ -115,9 +115,12 @@ def test_the_line_moves_on_past_a_waiter_that_died(settings, backend):
 
 def test_a_waiter_that_gives_up_leaves_the_line(backend_case, backend):
     settings = Settings(backend_url=backend_case.url, lease_ttl=3.0, wait_timeout=0.5)
-    acquire(backend, KEY, settings.lease_ttl)
-    assert policies.wait_for(settings, backend, KEY, "test", "impatient") is None
-    assert marks.line_of(backend, KEY) == []
+    holder = acquire(backend, KEY, settings.lease_ttl)
+    try:
+        assert policies.wait_for(settings, backend, KEY, "test", "impatient") is None
+        assert marks.line_of(backend, KEY) == []
+    finally:
+        holder.release()
 
 
 class LockDelayedStore(MemoryBackend):
