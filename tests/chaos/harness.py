@@ -23,10 +23,6 @@ from tests.servers import RedisServer, kill_tree
 from tests.workers import Worker, runs_by_key
 
 KEYS = ("alpha", "beta", "gamma")
-#: Seconds after a worker's SIGKILL (as recorded, once it is reaped) during which Redis
-#: may still hand a new message to the dead worker's pending BRPOP: the server frees a
-#: client only when its event loop reads the closed connection.
-KILL_NOTICED = 1.0
 
 
 @dataclass
@@ -43,8 +39,6 @@ class Chaos:
     submitted: set[int] = field(default_factory=set)
     #: (killed at, pids of the killed worker's processes)
     kills: list[tuple[float, set[int]]] = field(default_factory=list)
-    #: When whole workers were SIGKILLed (kept for the end; ``kills`` is pruned).
-    worker_kills: list[float] = field(default_factory=list)
     outliving: list[str] = field(default_factory=list)
 
     def log(self, what: str) -> None:
@@ -95,7 +89,7 @@ class Chaos:
             return {
                 "entries": entries,
                 "missing": sorted(self.submitted - done),
-                "missing_in_fetch_window": self._lost_in_fetch_window(self.submitted - done),
+                "missing_never_started": self._never_started(self.submitted - done),
                 "drained": drained,
                 "outliving": self.outliving,
                 "events": self.events,
@@ -142,7 +136,6 @@ class Chaos:
         kill_tree(w.process, signal.SIGKILL)
         w.process.wait(10)
         self.kills.append((time.time(), pids))
-        self.worker_kills.append(time.time())
         self.log(f"SIGKILL worker chaos{i} (pids {sorted(pids)})")
         self.pool[i] = self._worker(i).start(wait=False)
 
@@ -194,25 +187,20 @@ class Chaos:
         # Checked long enough after the kill: stop watching it.
         self.kills = [(at, p) for at, p in self.kills if now - at < self.ttl * 3]
 
-    def _lost_in_fetch_window(self, missing: set[int]) -> list[int]:
-        """Missing jobs whose last copy no worker started, sent before a whole worker was
-        SIGKILLed (or within KILL_NOTICED after).
+    def _never_started(self, missing: set[int]) -> list[int]:
+        """Missing jobs whose last copy (the first, or a requeue) no worker started.
 
-        kombu's Redis transport pops a message (BRPOP) and only then records it as
-        unacked; a worker SIGKILLed in between loses it, whatever the task does, and so
-        does a dead worker's BRPOP that Redis serves before it notices the closed
-        connection. Which worker popped a copy is not known, so such a copy, never
-        started, is counted as lost there. A copy that started (``task_prerun``) and did
-        not complete stays a failure of ours.
+        Such a copy never reached this library's code: it was lost between the broker
+        and a worker. kombu's Redis transport pops a message (BRPOP) and only then
+        records it as unacked, so a worker SIGKILLed in between loses it, and Redis
+        can hand a message to a dead worker's pending BRPOP before it notices the
+        closed connection. A copy that started (``task_prerun``) and did not complete
+        is a failure of ours.
         """
         published = {int(j): float(t) for j, t in self.ledger.hgetall("published").items()}
         started = {int(j): float(t) for j, t in self.ledger.hgetall("started").items()}
         return sorted(
-            job
-            for job in missing
-            if job in published
-            and started.get(job, 0.0) < published[job]
-            and any(kill >= published[job] - KILL_NOTICED for kill in self.worker_kills)
+            job for job in missing if job in published and started.get(job, 0.0) < published[job]
         )
 
     def _drain(self, timeout: float) -> bool:
