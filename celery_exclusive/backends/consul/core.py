@@ -158,14 +158,9 @@ class ConsulCore(Backend):
                 state.session_ttl,
                 state.renewed_at,
             )
-        if session_id is not None and time.monotonic() - renewed_at > session_ttl / 3:
-            sent = time.monotonic()
-            if self._call("renewing the session", self._renew_session, session_id):
-                state.renewed_at = sent
-                # Locks left by lost answers live as long as the session: free them.
-                self._settle_orphans()
-            else:
-                state.forget_session(session_id)
+        stale = session_id is not None and time.monotonic() - renewed_at > session_ttl / 3
+        if stale and self._keep_session_alive(session_id, "renewing the session"):
+            self._settle_orphans()  # locks left by lost answers live as long as the session
         with state.lock:
             if state.session_id is None:
                 session_ttl = self._session_ttl(ttl)
@@ -198,6 +193,17 @@ class ConsulCore(Backend):
         )
         answer = self.http.call("PUT", "/v1/session/create", body=body, write=True)
         return answer.json()["ID"]
+
+    def _keep_session_alive(self, session_id: str, action: str) -> bool:
+        """Renew the session, noting when the request was sent; False, with the session
+        and its locks forgotten, if Consul no longer knows it."""
+        state = self._process()
+        sent = time.monotonic()
+        if not self._call(action, self._renew_session, session_id):
+            state.forget_session(session_id)
+            return False
+        state.renewed_at = sent
+        return True
 
     def _renew_session(self, session_id: str) -> bool:
         """Renew the session; False if Consul no longer knows it (HTTP 404)."""

@@ -272,10 +272,8 @@ class Locks(ConsulCore):
         if session_id is None:
             return set(leases)
         action = f"renewing {len(leases)} lease(s)"
-        if not self._call(action, self._renew_session, session_id):
-            state.forget_session(session_id)
+        if not self._keep_session_alive(session_id, action):
             return set(leases)
-        state.renewed_at = time.monotonic()
         # A live session does not mean every key is still ours (an operator's
         # force_release deletes the key): one check per lease, in as few transactions
         # as Consul allows; a failed check names its operation.

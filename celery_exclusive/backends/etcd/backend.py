@@ -323,7 +323,7 @@ class EtcdBackend(Backend):
             now = time.monotonic()
             self._orphans = {k: until for k, until in self._orphans.items() if until > now}
             orphans = list(self._orphans)
-        for start in range(0, len(orphans), MAX_TXN_OPS):  # none: no request
+        for start in range(0, len(orphans), MAX_TXN_OPS):  # no orphans: no request
             chunk = orphans[start : start + MAX_TXN_OPS]
             deletes = [{"request_delete_range": {"key": b64(k)}} for k in chunk]
             self._txn("deleting keys left by failed releases", [], deletes)
