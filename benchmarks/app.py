@@ -67,6 +67,16 @@ def exclusive(i: int) -> None:
     return None
 
 
+@app.task(name="bench.plain_acks_late", acks_late=True)
+def plain_acks_late(i: int) -> None:
+    return None
+
+
+@app.task(name="bench.exclusive_acks_late", base=ExclusiveTask, acks_late=True)
+def exclusive_acks_late(i: int) -> None:
+    return None
+
+
 @app.task(name="bench.once", base=QueueOnce)
 def once(i: int) -> None:
     return None
@@ -98,6 +108,8 @@ NOOPS = {
     "plain": plain,
     "exclusive": exclusive,
     **{f"exclusive ({store})": _exclusive_on(store) for store in OTHER_STORES},
+    "plain, acks_late": plain_acks_late,
+    "exclusive, acks_late": exclusive_acks_late,
     "celery-once": once,
     "celery-singleton": singleton,
 }

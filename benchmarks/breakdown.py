@@ -15,7 +15,8 @@ Three comparisons, each interleaved over several rounds (median round reported):
   record, signals, settings, key), in µs each;
 
 and **script time**: the store's own microseconds per ``EVALSHA`` of the acquire and
-release scripts on the uncontended path, from ``INFO commandstats``.
+release scripts on the uncontended path, from ``INFO commandstats``, beside an empty
+script's and a plain ``SET``'s, which give the floor on the machine at hand.
 """
 
 from __future__ import annotations
@@ -162,7 +163,13 @@ def script_time(client, url: str, n: int, rounds: int) -> dict[str, float]:
         client.set("floor:bench", "x", nx=True, px=30000)
         client.delete("floor:bench")
 
+    empty = client.script_load("return 1")
+
+    def empty_script() -> None:
+        client.evalsha(empty, 0)
+
     measured = {
+        "empty script (EVALSHA of `return 1`)": (empty_script, "evalsha"),
         "acquire script (EVALSHA)": (acquire_script, "evalsha"),
         "release script (EVALSHA)": (release_script, "evalsha"),
         "raw SET NX PX": (raw_pair, "set"),

@@ -20,7 +20,7 @@ def markdown(machine: dict, load: dict, r: dict) -> str:
             f"(Redis broker and results), {o['rounds']} interleaved rounds, median; "
             "`exclusive` keeps its leases in Redis, `exclusive (store)` in that store:",
             "",
-            "| base class | ms per task | time vs plain `Task` |",
+            "| base class | ms per task | time vs plain `Task` (of its kind: `acks_late` or not) |",
             "|---|---:|---:|",
         ]
         for name, ratio in o["ratio"].items():

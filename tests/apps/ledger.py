@@ -9,6 +9,8 @@ EXCLUSIVE_TEST_LEDGER   Redis URL of the ledger
 EXCLUSIVE_TEST_TTL      lease ttl in seconds
 EXCLUSIVE_TEST_VISIBILITY_TIMEOUT   the Redis broker's visibility timeout (seconds)
 EXCLUSIVE_TEST_MAX_CONNECTIONS  broker connection pool size (greenlet pools need more)
+EXCLUSIVE_TEST_PROBE_ORDER  if set, note whether a ledger task still holds its key when
+                            Celery stores its result or publishes its next link
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import time
 
 import redis
 from celery import Celery
+from celery import signals as celery_signals
+from celery.backends.redis import RedisBackend as RedisResults
 from celery.exceptions import Ignore, Reject
 
-from celery_exclusive import ExclusiveTask, LeaseLost, signals
+from celery_exclusive import ExclusiveTask, LeaseLost, backend_for_url, signals
 from tests.apps import ledger_client
 
 app = Celery("ledger")
@@ -44,6 +48,8 @@ if os.environ.get("EXCLUSIVE_TEST_MAX_CONNECTIONS"):
     transport_options["max_connections"] = int(os.environ["EXCLUSIVE_TEST_MAX_CONNECTIONS"])
 if transport_options:
     app.conf.broker_transport_options = transport_options
+if os.environ.get("EXCLUSIVE_TEST_PROBE_ORDER"):
+    app.conf.result_backend = f"{__name__}:ProbedResults+{app.conf.result_backend}"
 for name in ("on_duplicate", "on_backend_error", "on_lease_lost", "wait_timeout", "limit"):
     value = os.environ.get(f"EXCLUSIVE_TEST_{name.upper()}")
     if value is not None:
@@ -73,6 +79,38 @@ def run(task, key: str, duration: float) -> dict:
     }
     ledger().rpush("ledger", json.dumps(entry))
     return entry
+
+
+def _note_order(moment: str, key: str, task_id: str) -> None:
+    """Note in the ledger's "order" list whether ``task_id`` still holds ``key``."""
+    store = backend_for_url(app.conf.exclusive_backend_url)
+    held = any(info.task_id == task_id for info in store.holders_of("exclusive:" + key))
+    entry = {"moment": moment, "key": key, "task_id": task_id, "held": held}
+    ledger().rpush("order", json.dumps(entry))
+
+
+class ProbedResults(RedisResults):
+    """Celery's Redis result backend, noting first whether the task whose result it
+    stores still holds its key: what another worker could see next (the result, a
+    chord's callback sent from here) must not come before the release."""
+
+    def store_result(self, task_id, result, state, traceback=None, request=None, **kwargs):
+        if request is not None and str(request.task).startswith("ledger.hold_"):
+            _note_order("result", request.args[0], task_id)
+        return super().store_result(task_id, result, state, traceback, request, **kwargs)
+
+
+@celery_signals.before_task_publish.connect
+def _note_next_link(sender=None, body=None, headers=None, **extra) -> None:
+    """In a worker, a ledger task that sends another (a chain's next link, a callback)
+    notes whether the sender still holds the key they share."""
+    parent = (headers or {}).get("parent_id")
+    if (
+        os.environ.get("EXCLUSIVE_TEST_PROBE_ORDER")
+        and parent
+        and str(sender).startswith("ledger.hold_")
+    ):
+        _note_order("next link", body[0][0], parent)
 
 
 def _ledger_task(policy: str):
