@@ -22,7 +22,7 @@ from .backends import Backend, Lease
 from .errors import ExclusiveError, LeaseLost
 from .heartbeat import heartbeat
 
-__all__ = ["HeldLease", "UnlockedLease", "acquire", "heartbeat"]
+__all__ = ["HeldLease", "UnlockedLease", "acquire", "acquire_and_read_mark", "heartbeat"]
 
 logger = logging.getLogger("celery_exclusive")
 
@@ -109,17 +109,17 @@ class HeldLease:
                 self.name,
             )
 
-    def release(self) -> bool:
+    def release(self, unsure: bool = False) -> bool:
         """Give the lease back. Safe to call twice; a store error is logged, not raised.
 
         A lease that cannot be released because the store is down simply expires
-        after its ttl; failing the finished task for that would be worse.
+        after its ttl; failing the finished task for that would be worse. ``unsure``:
+        an earlier release whose answer was lost may have freed it already, so a lease
+        the store no longer has is not taken for a loss.
         """
         if self.released:
             return False
-        self.lost  # noqa: B018 - flags a lease that went a whole ttl without renewal
-        self.released = True
-        heartbeat().discard(self)
+        self._stop_renewing()
         try:
             freed = self.backend.release(self.grant)
         except ExclusiveError as exc:
@@ -131,7 +131,56 @@ class HeldLease:
                 self.ttl,
             )
             return False
-        if not freed:
+        self._given_back(freed, unsure)
+        return freed
+
+    def release_after_mark(
+        self, mark: tuple[str, str], expected: Optional[str], new: str, ttl: float
+    ) -> Optional[bool]:
+        """Set a mark, then give the lease back, in one step where the store can (see
+        :meth:`Backend.swap_mark_and_release`): what a release returns, or None when the
+        mark held something else than ``expected`` and the lease is still held.
+
+        A store error is raised, for the caller to say the mark may be missing, once
+        the lease was given back the plain way (whose "not held" may then be the
+        failed step's own doing, so it is not taken for a loss).
+        """
+        if self.released:
+            return False
+        self._stop_renewing()
+        try:
+            freed = self.backend.swap_mark_and_release(self.grant, mark, expected, new, ttl)
+        except ExclusiveError:
+            self.released = False
+            self.release(unsure=True)
+            raise
+        if freed is None:
+            self._keep_renewing()
+            return None
+        self._given_back(freed)
+        return freed
+
+    def _stop_renewing(self) -> None:
+        """Before a release is sent: no renewal may race it and find the lease gone."""
+        self.lost  # noqa: B018 - flags a lease that went a whole ttl without renewal
+        self.released = True
+        heartbeat().discard(self)
+
+    def _keep_renewing(self) -> None:
+        """The release was not done after all: the lease is held, and renewed again."""
+        self.released = False
+        heartbeat().add(self)
+
+    def _given_back(self, freed: bool, unsure: bool = False) -> None:
+        """The store answered a release: say so, and flag a lease it no longer had."""
+        if not freed and unsure:
+            logger.warning(
+                "lease release found nothing to free key=%s task_id=%s: the release "
+                "before it, whose answer was lost, freed it, or it was lost meanwhile",
+                self.key,
+                self.task_id,
+            )
+        elif not freed:
             # Gone before its holder gave it back: expired, taken by an operator, or lost
             # with a store that forgot it (a failover). The body may have run beside the
             # next holder, so that is a loss, said as loudly as one found by the heartbeat.
@@ -146,7 +195,6 @@ class HeldLease:
                 task_id=self.task_id,
                 held_for=time.monotonic() - self.acquired_at,
             )
-        return freed
 
     def on_loss(self, listener: LossListener) -> None:
         """Call ``listener(lease)`` once the lease is found lost (at once if it already is).
@@ -243,7 +291,37 @@ def acquire(
     :mod:`celery_exclusive.marks`): the line admits only its first. Raises
     :class:`BackendUnavailable` when the store does not answer.
     """
-    record = {
+    record = _record(name, task_id, holder)
+    grant = backend.try_acquire(key, new_owner(), ttl, limit, record, claimant=claimant)
+    return None if grant is None else _hold(backend, grant, name, task_id)
+
+
+def acquire_and_read_mark(
+    backend: Backend,
+    key: str,
+    ttl: float,
+    limit: int,
+    name: str,
+    task_id: Optional[str],
+    claimant: Optional[str],
+    mark: tuple[str, str],
+) -> tuple[Optional[HeldLease], Optional[str]]:
+    """:func:`acquire`, reading the mark ``mark`` (``(key, kind)``) right after the
+    grant, in the same round trip where the store can: ``(None, None)`` if not granted."""
+    record = _record(name, task_id, None)
+    grant, value = backend.try_acquire_and_read_mark(
+        key, new_owner(), ttl, limit, record, claimant, mark
+    )
+    if grant is None:
+        return None, None
+    return _hold(backend, grant, name, task_id), value
+
+
+def _record(
+    name: str, task_id: Optional[str], holder: Optional[Mapping[str, Any]]
+) -> dict[str, Any]:
+    """What the store keeps beside a grant, for ``holders()``."""
+    return {
         "task": name,
         "task_id": task_id,
         "hostname": HOSTNAME,
@@ -251,14 +329,15 @@ def acquire(
         "acquired_at": time.time(),
         **(holder or {}),
     }
-    grant = backend.try_acquire(key, new_owner(), ttl, limit, record, claimant=claimant)
-    if grant is None:
-        return None
+
+
+def _hold(backend: Backend, grant: Lease, name: str, task_id: Optional[str]) -> HeldLease:
+    """A grant, as its holder runs under it: renewed by the heartbeat from now on."""
     lease = HeldLease(backend, grant, name, task_id)
     heartbeat().add(lease)
     if signals.lease_acquired.receivers:
         signals.lease_acquired.send(
-            sender=name, key=key, task_id=task_id, fencing_token=grant.fencing_token
+            sender=name, key=grant.key, task_id=task_id, fencing_token=grant.fencing_token
         )
     return lease
 

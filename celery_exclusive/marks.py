@@ -250,8 +250,17 @@ def finished_key(key: str, task_id: str) -> str:
 def finished_attempt(backend: Backend, key: str, task_id: str) -> Optional[int]:
     """The ``retries`` count of the last attempt of ``task_id`` on ``key`` that ended,
     or None if none did (within the mark's ttl)."""
-    value = backend.read_mark(finished_key(key, task_id), DONE)
-    return None if value is None else int(value)
+    return attempt_of(finished_mark(backend, key, task_id))
+
+
+def finished_mark(backend: Backend, key: str, task_id: str) -> Optional[str]:
+    """The finished mark of ``task_id`` on ``key`` as stored (see :func:`attempt_of`)."""
+    return backend.read_mark(finished_key(key, task_id), DONE)
+
+
+def attempt_of(mark: Optional[str]) -> Optional[int]:
+    """The ``retries`` count a finished mark holds, or None for no mark."""
+    return None if mark is None else int(mark)
 
 
 def mark_finished(backend: Backend, key: str, task_id: str, retries: int, ttl: float) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 from kombu.utils.json import dumps, loads
@@ -22,7 +22,7 @@ from . import marks, signals
 from .backends import Backend
 from .config import Settings
 from .errors import ExclusiveError
-from .lease import HeldLease, acquire
+from .lease import HeldLease, acquire, acquire_and_read_mark
 
 #: Seconds a waiter sleeps when the store woke it at once but refused the grant; it
 #: doubles while that goes on.
@@ -34,6 +34,11 @@ class Run:
     lease: HeldLease
     #: A pending rerun's arguments (JSON) to run with instead of the call's own.
     arguments: Optional[str] = None
+    #: With ``redelivery``, whether the call's finished mark (see
+    #: :func:`marks.finished_attempt`) was read with the grant, and its value then
+    #: (None: absent). A grant won after waiting comes without it.
+    finished_read: bool = False
+    finished: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -88,13 +93,23 @@ def claim(
     Raises :class:`BackendUnavailable` if the store does not answer; what happens then
     (``on_backend_error``) is the integration's call, since only it can requeue.
     """
-    lease = _try(settings, backend, key, name, task_id, task_id)
+    finished_read, finished = False, None
+    if redelivery and task_id:
+        # Whether this attempt already ran to the end, read as the key is taken.
+        mark = (marks.finished_key(key, task_id), marks.DONE)
+        lease, finished = acquire_and_read_mark(
+            backend, key, settings.lease_ttl, settings.limit, name, task_id, task_id, mark
+        )
+        finished_read = lease is not None
+    else:
+        lease = _try(settings, backend, key, name, task_id, task_id)
     if lease is not None:
         if redelivery and task_id and settings.limit > 1 and _held_by(backend, key, task_id, lease):
             # A semaphore had a slot left for the copy: give it back.
             lease.release()
             return Redelivered(key, requeue_delay(settings, requeues))
-        return _run(settings, backend, key, task_id, lease)
+        run = _run(settings, backend, key, task_id, lease)
+        return replace(run, finished_read=finished_read, finished=finished)
 
     # Whom this call yields to: a holder, or else whoever is first in line for the key.
     holders = [info.task_id for info in backend.holders_of(key) if info.task_id]

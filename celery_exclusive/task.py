@@ -44,6 +44,8 @@ logger = logging.getLogger("celery_exclusive")
 
 #: Message header counting how often a duplicate was requeued (drives its backoff).
 REQUEUES_HEADER = "exclusive_requeues"
+#: The request attribute holding the call's finished mark as read when it took its key.
+FINISHED_MARK = "exclusive_finished_mark"
 
 #: The broker's visibility timeout when ``broker_transport_options`` sets none
 #: (kombu's Redis and SQS transports: one hour).
@@ -269,7 +271,7 @@ class ExclusiveTask(Task):
             return self._without_store(exc, key, args, kwargs)
         if isinstance(outcome, policies.Run) and redelivery:
             try:
-                self._drop_if_finished(outcome.lease)
+                self._drop_if_finished(outcome)
             except BackendUnavailable as exc:
                 outcome.lease.release()
                 return self._without_store(exc, key, args, kwargs)
@@ -400,9 +402,8 @@ class ExclusiveTask(Task):
         if ended and self._redelivery_possible():
             request = self.request
             try:
-                marks.mark_finished(
-                    lease.backend, lease.key, request.id, request.retries, self._finished_ttl()
-                )
+                if self._record_end_and_release(lease, request):
+                    return
             except ExclusiveError as exc:
                 logger.warning(
                     "could not record that %s[%s] ended (%s): a copy of its message "
@@ -412,6 +413,23 @@ class ExclusiveTask(Task):
                     exc,
                 )
         lease.release()
+
+    def _record_end_and_release(self, lease: HeldLease, request: Context) -> bool:
+        """Write the finished mark of this attempt; True if the lease went back with it.
+
+        The mark as read when the call took its key is what it is swapped from, so
+        mark and release go in one round trip where the store can. Should the mark
+        have changed meanwhile, it is written the long way, and the caller releases.
+        """
+        ttl, retries = self._finished_ttl(), request.retries
+        if hasattr(request, FINISHED_MARK):
+            current = getattr(request, FINISHED_MARK)
+            if current is None or int(current) < retries:
+                mark = (marks.finished_key(lease.key, request.id), marks.DONE)
+                if lease.release_after_mark(mark, current, str(retries), ttl) is not None:
+                    return True
+        marks.mark_finished(lease.backend, lease.key, request.id, retries, ttl)
+        return False
 
     # --- a message delivered twice -----------------------------------------------------
 
@@ -436,10 +454,19 @@ class ExclusiveTask(Task):
         settings = self.exclusive_settings
         return visibility + settings.requeue_max_delay + settings.lease_ttl
 
-    def _drop_if_finished(self, lease: HeldLease) -> None:
-        """A copy of an attempt that has ended took the key: give it back, end quietly."""
-        request = self.request
-        finished = marks.finished_attempt(lease.backend, lease.key, request.id)
+    def _drop_if_finished(self, outcome: policies.Run) -> None:
+        """A copy of an attempt that has ended took the key: give it back, end quietly.
+
+        The finished mark read here (with the grant, where the store could) is kept on
+        the request: at the end of the attempt it is what the mark is swapped from.
+        """
+        lease, request = outcome.lease, self.request
+        if outcome.finished_read:
+            mark = outcome.finished
+        else:
+            mark = marks.finished_mark(lease.backend, lease.key, request.id)
+        setattr(request, FINISHED_MARK, mark)
+        finished = marks.attempt_of(mark)
         if finished is None or finished < request.retries:
             return
         lease.release()

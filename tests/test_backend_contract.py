@@ -298,6 +298,72 @@ def test_marks_are_not_listed_as_holders(marks):
     assert marks.holders("k") == []
 
 
+# --- the two steps of an attempt that may be delivered twice: take the key and read
+# whether it already ended; record that it ended and give the key back ---------------
+
+
+def test_a_grant_comes_with_the_mark_read_after_it(marks):
+    marks.swap_mark("done-of-k", "x", None, "2", 10)
+    grant, value = marks.try_acquire_and_read_mark(
+        "k", owner(), 10, 1, None, None, ("done-of-k", "x")
+    )
+    assert grant is not None and grant.key == "k"
+    assert value == "2"
+    assert marks.try_acquire("k", owner(), 10) is None
+
+
+def test_a_grant_reads_an_absent_mark_as_none(marks):
+    grant, value = marks.try_acquire_and_read_mark("k", owner(), 10, 1, None, None, ("m", "x"))
+    assert grant is not None and value is None
+
+
+def test_a_refused_grant_reads_no_mark(marks):
+    marks.try_acquire("k", owner(), 10)
+    marks.swap_mark("m", "x", None, "2", 10)
+    assert marks.try_acquire_and_read_mark("k", owner(), 10, 1, None, None, ("m", "x")) == (
+        None,
+        None,
+    )
+
+
+def test_a_grant_with_its_mark_honours_the_line(marks):
+    stand_in_line(marks, "k", "first")
+    refused = marks.try_acquire_and_read_mark("k", owner(), 10, 1, None, "second", ("m", "x"))
+    assert refused == (None, None)
+    grant, _ = marks.try_acquire_and_read_mark("k", owner(), 10, 1, None, "first", ("m", "x"))
+    assert grant is not None and in_line(marks, "k") == []
+
+
+def test_setting_the_mark_and_releasing_does_both(marks):
+    lease = marks.try_acquire("k", owner(), 10)
+    assert marks.swap_mark_and_release(lease, ("m", "x"), None, "3", 10) is True
+    assert marks.read_mark("m", "x") == "3"
+    assert marks.try_acquire("k", owner(), 10) is not None
+
+
+def test_setting_the_mark_and_releasing_swaps_from_the_expected_value(marks):
+    marks.swap_mark("m", "x", None, "1", 10)
+    lease = marks.try_acquire("k", owner(), 10)
+    assert marks.swap_mark_and_release(lease, ("m", "x"), "1", "2", 10) is True
+    assert marks.read_mark("m", "x") == "2"
+
+
+def test_a_mark_that_moved_leaves_mark_and_lease_as_they_were(marks):
+    marks.swap_mark("m", "x", None, "5", 10)
+    lease = marks.try_acquire("k", owner(), 10)
+    assert marks.swap_mark_and_release(lease, ("m", "x"), None, "3", 10) is None
+    assert marks.read_mark("m", "x") == "5"
+    assert marks.try_acquire("k", owner(), 10) is None
+    assert marks.release(lease) is True
+
+
+def test_setting_the_mark_on_a_lease_already_gone_reports_it_not_freed(marks):
+    lease = marks.try_acquire("k", owner(), 10)
+    marks.force_release("k")
+    assert marks.swap_mark_and_release(lease, ("m", "x"), None, "3", 10) is False
+    assert marks.read_mark("m", "x") == "3"
+
+
 def stand_in_line(store, key: str, *claimants: str, ttl: float = 10) -> None:
     """Make ``claimants`` the line of ``key``, in that order, the way waiters write it."""
     line = json.dumps([{"id": c, "until": store.store_time() + ttl} for c in claimants])

@@ -91,6 +91,29 @@ class Backend(abc.ABC):
         and the grant are one atomic step, so nobody slips in ahead of the line.
         """
 
+    def try_acquire_and_read_mark(
+        self,
+        key: str,
+        owner: str,
+        ttl: float,
+        limit: int,
+        holder: Optional[Mapping[str, Any]],
+        claimant: Optional[str],
+        mark: tuple[str, str],
+    ) -> tuple[Optional[Lease], Optional[str]]:
+        """:meth:`try_acquire`, then, if it granted, :meth:`read_mark` of ``mark`` (a
+        ``(key, kind)`` pair); ``(None, None)`` when it did not grant.
+
+        A call that may be a second copy of its message reads, as it takes the key,
+        whether its attempt already ran to the end. The read comes after the grant,
+        so it sees what the previous holder wrote before it released. A store that can
+        send both in one round trip, in that order, overrides this.
+        """
+        grant = self.try_acquire(key, owner, ttl, limit, holder, claimant=claimant)
+        if grant is None:
+            return None, None
+        return grant, self.read_mark(*mark)
+
     @abc.abstractmethod
     def renew(self, leases: Iterable[Lease]) -> set[Lease]:
         """Extend every lease by its ttl in one round trip; return those found lost."""
@@ -98,6 +121,26 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def release(self, lease: Lease) -> bool:
         """Free ``lease`` if its owner still holds it. Idempotent; True if it was freed."""
+
+    def swap_mark_and_release(
+        self,
+        lease: Lease,
+        mark: tuple[str, str],
+        expected: Optional[str],
+        new: str,
+        ttl: float,
+    ) -> Optional[bool]:
+        """Set the mark ``mark`` (a ``(key, kind)`` pair) to ``new`` for ``ttl`` seconds
+        if it holds ``expected`` (None: absent), then :meth:`release` ``lease``.
+
+        Returns what the release returns; None if the mark held something else, and
+        then nothing changed: ``lease`` is still held. An attempt that must be recorded
+        as ended before its key is free ends this way. A store that can do both in one
+        round trip, in that order, overrides this.
+        """
+        if not self.swap_mark(mark[0], mark[1], expected, new, ttl):
+            return None
+        return self.release(lease)
 
     @abc.abstractmethod
     def wait(self, key: str, timeout: float, claimant: Optional[str] = None) -> None:

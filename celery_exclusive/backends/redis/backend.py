@@ -175,14 +175,48 @@ class RedisBackend(Backend):
         claimant: Optional[str] = None,
     ) -> Optional[Lease]:
         self._fresh_master()
-        names = layout.entries(key)
-        keys = [names.lease, names.fence, names.holders, names.line]
-        args = [owner, _ms(ttl), limit, json.dumps(dict(holder or {})), claimant or ""]
+        keys, args = _acquisition(key, owner, ttl, limit, holder, claimant)
         if self.options.min_replicas:
             token = self._acquire_replicated(key, keys, args)
         else:
             token = self._run("acquire", f"acquiring {key!r}", key, keys, args)
         return None if token is None else Lease(key, owner, int(token), ttl, limit)
+
+    def try_acquire_and_read_mark(
+        self,
+        key: str,
+        owner: str,
+        ttl: float,
+        limit: int,
+        holder: Optional[Mapping[str, Any]],
+        claimant: Optional[str],
+        mark: tuple[str, str],
+    ) -> tuple[Optional[Lease], Optional[str]]:
+        # One pipeline on one connection: Redis runs its commands in order, so the read
+        # follows the grant, one round trip for both. Not on a cluster, where the mark
+        # may live on another node and nothing orders the two; not with min_replicas,
+        # whose grant counts only once WAIT confirms it.
+        if self.cluster or self.options.min_replicas:
+            return super().try_acquire_and_read_mark(key, owner, ttl, limit, holder, claimant, mark)
+        self._fresh_master()
+        keys, args = _acquisition(key, owner, ttl, limit, holder, claimant)
+        action = f"acquiring {key!r}"
+        script = self._script("acquire")
+        for _ in range(2):
+            pipe = self.client.pipeline(transaction=False)
+            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            pipe.execute_command("GET", layout.mark(*mark))
+            token, value = self._call(action, key, pipe.execute, raise_on_error=False)
+            if not isinstance(token, NoScriptError):
+                break
+            script.sha = self._call(action, key, self.client.script_load, script.script)
+        for reply in (token, value):
+            if isinstance(reply, Exception):
+                raise translate(reply, self.safe_url, action, key, self.cluster)
+        if token is None:
+            return None, None
+        grant = Lease(key, owner, int(token), ttl, limit)
+        return grant, None if value is None else _text(value)
 
     def _acquire_replicated(self, key: str, keys: list, args: list) -> Optional[int]:
         """Acquire, then ``WAIT`` on the same connection (one round trip for both); a
@@ -250,11 +284,27 @@ class RedisBackend(Backend):
         # lease missing, and the holder reports the run lost. A body shorter than a
         # renewal interval has no other moment to learn it.
         self._fresh_master(force=True)
-        key = lease.key
-        names = layout.entries(key)
-        keys = [names.lease, names.holders, names.line, names.signal, names.waiting]
-        args = [lease.owner, lease.limit, _ms(max(lease.ttl, 1.0))]
-        return bool(self._run("release", f"releasing {key!r}", key, keys, args))
+        keys, args = _release(lease)
+        return bool(self._run("release", f"releasing {lease.key!r}", lease.key, keys, args))
+
+    def swap_mark_and_release(
+        self,
+        lease: Lease,
+        mark: tuple[str, str],
+        expected: Optional[str],
+        new: str,
+        ttl: float,
+    ) -> Optional[bool]:
+        # One script off Cluster; on a cluster the mark may live in another hash slot.
+        if self.cluster:
+            return super().swap_mark_and_release(lease, mark, expected, new, ttl)
+        self._fresh_master(force=True)  # as release() does
+        keys, args = _release(lease)
+        keys.append(layout.mark(*mark))
+        args += [int(expected is not None), expected or "", new, _ms(ttl)]
+        action = f"releasing {lease.key!r}"
+        freed = self._run("swap_mark_and_release", action, lease.key, keys, args)
+        return None if freed == -1 else bool(freed)
 
     def wait(self, key: str, timeout: float, claimant: Optional[str] = None) -> None:
         # BLPOP takes whole or fractional seconds; 0 would mean "forever".
@@ -392,6 +442,27 @@ def _json(text: str) -> dict:
 
 def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _acquisition(
+    key: str,
+    owner: str,
+    ttl: float,
+    limit: int,
+    holder: Optional[Mapping[str, Any]],
+    claimant: Optional[str],
+) -> tuple[list, list]:
+    """The KEYS and ARGV of the acquire script."""
+    names = layout.entries(key)
+    keys = [names.lease, names.fence, names.holders, names.line]
+    return keys, [owner, _ms(ttl), limit, json.dumps(dict(holder or {})), claimant or ""]
+
+
+def _release(lease: Lease) -> tuple[list, list]:
+    """The KEYS and ARGV of the release script."""
+    names = layout.entries(lease.key)
+    keys = [names.lease, names.holders, names.line, names.signal, names.waiting]
+    return keys, [lease.owner, lease.limit, _ms(max(lease.ttl, 1.0))]
 
 
 def _ms(seconds: float) -> int:

@@ -2,7 +2,8 @@
 
 Each script opens by binding KEYS and ARGV to named locals and says what it returns.
 Names come from :mod:`.layout`; every key a script touches shares the hash slot of one
-lease key, so each script runs on one Redis Cluster node.
+lease key, so each script runs on one Redis Cluster node. The one exception,
+``swap_mark_and_release``, also sets a mark of another key, and runs only off Cluster.
 
 A limit-1 lease is a string, ``<len(owner)>:<owner> <token> <holder JSON>``: the owner
 check compares a prefix, so the uncontended path never decodes JSON, and the length
@@ -265,11 +266,56 @@ return lost
 """
 )
 
+#: Freeing a slot, as the release scripts share it.
+_RELEASE = """
+-- Free the owner's slot of a key and wake whoever may take it.
+-- Returns 1 if the owner held the key, else 0 (and changes nothing).
+local function release(lease_key, holders_key, line_key, signal_key, waiting_key,
+                       owner, limit, signal_ttl)
+  if limit == 1 then
+    if not holds(lease_key, owner, 1, 0) then
+      return 0
+    end
+    redis.call('DEL', lease_key)
+  else
+    if call_typed('ZREM', lease_key, owner) ~= 1 then  -- not held, or held as a mutex
+      return 0
+    end
+    redis.call('HDEL', holders_key, 'h:' .. owner)
+  end
+  wake(line_key, signal_key, waiting_key, limit, signal_ttl)
+  return 1
+end
+"""
+
+#: Compare-and-swap of a mark, as the mark scripts share it.
+_SWAP = """
+-- Set (or, when `has_new` is false, delete) the mark `mark_key` if it holds `expected`
+-- (absent when `has_expected` is false). Returns 1 if swapped, 0 if it held something else.
+local function swap(mark_key, has_expected, expected, has_new, new, ttl)
+  local current = redis.call('GET', mark_key)
+  if has_expected then
+    if current ~= expected then
+      return 0
+    end
+  elseif current then
+    return 0
+  end
+  if has_new then
+    redis.call('SET', mark_key, new, 'PX', ttl)
+  else
+    redis.call('DEL', mark_key)
+  end
+  return 1
+end
+"""
+
 RELEASE = (
     _NOW
     + _HOLDS
     + _LINE
     + _WAKE
+    + _RELEASE
     + """
 -- Free the owner's slot of a key and wake whoever may take it.
 -- Returns 1 if the owner held the key, else 0 (and changes nothing).
@@ -277,19 +323,8 @@ local lease_key, holders_key, line_key = KEYS[1], KEYS[2], KEYS[3]
 local signal_key, waiting_key = KEYS[4], KEYS[5]
 local owner, limit, signal_ttl = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 
-if limit == 1 then
-  if not holds(lease_key, owner, 1, 0) then
-    return 0
-  end
-  redis.call('DEL', lease_key)
-else
-  if call_typed('ZREM', lease_key, owner) ~= 1 then  -- not held, or held as a mutex
-    return 0
-  end
-  redis.call('HDEL', holders_key, 'h:' .. owner)
-end
-wake(line_key, signal_key, waiting_key, limit, signal_ttl)
-return 1
+return release(lease_key, holders_key, line_key, signal_key, waiting_key,
+               owner, limit, signal_ttl)
 """
 )
 
@@ -394,28 +429,45 @@ return 1
 """
 )
 
-SWAP_MARK = """
+SWAP_MARK = (
+    _SWAP
+    + """
 -- Compare-and-swap a mark: set (or delete) it if it holds the expected value.
 -- Returns 1 if swapped, 0 if the mark held something else.
 local mark_key = KEYS[1]
 local has_expected, expected = ARGV[1] == '1', ARGV[2]
 local has_new, new, ttl = ARGV[3] == '1', ARGV[4], ARGV[5]
 
-local current = redis.call('GET', mark_key)
-if has_expected then
-  if current ~= expected then
-    return 0
-  end
-elseif current then
-  return 0
-end
-if has_new then
-  redis.call('SET', mark_key, new, 'PX', ttl)
-else
-  redis.call('DEL', mark_key)
-end
-return 1
+return swap(mark_key, has_expected, expected, has_new, new, ttl)
 """
+)
+
+#: Not on a cluster: the mark is another key's, so it may live in another hash slot.
+SWAP_MARK_AND_RELEASE = (
+    _NOW
+    + _HOLDS
+    + _LINE
+    + _WAKE
+    + _RELEASE
+    + _SWAP
+    + """
+-- Set a mark if it holds the expected value, then free the owner's slot of a key: the
+-- end of an attempt that records it ended, in one step.
+-- Returns 1 if the owner held the key, 0 if not (the mark is set all the same), or -1
+-- if the mark held something else (then nothing changed, and the key is still held).
+local lease_key, holders_key, line_key = KEYS[1], KEYS[2], KEYS[3]
+local signal_key, waiting_key, mark_key = KEYS[4], KEYS[5], KEYS[6]
+local owner, limit, signal_ttl = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local has_expected, expected = ARGV[4] == '1', ARGV[5]
+local new, ttl = ARGV[6], ARGV[7]
+
+if swap(mark_key, has_expected, expected, true, new, ttl) == 0 then
+  return -1
+end
+return release(lease_key, holders_key, line_key, signal_key, waiting_key,
+               owner, limit, signal_ttl)
+"""
+)
 
 #: Every script, by the name the backend registers it under.
 ALL = {
@@ -427,4 +479,5 @@ ALL = {
     "describe": DESCRIBE,
     "write_record": WRITE_RECORD,
     "swap_mark": SWAP_MARK,
+    "swap_mark_and_release": SWAP_MARK_AND_RELEASE,
 }
