@@ -398,6 +398,29 @@ def test_a_grant_of_a_free_key_while_its_slot_is_half_moved_holds_after_the_move
         assert {info.owner for info in other_backend.holders_of(key)} == {got.owner}
 
 
+def test_a_release_mid_move_frees_the_key_and_wakes_the_first_in_line_on_the_keys_list(
+    backend, resharding
+):
+    """A semaphore with a waiter first in line, one blocking outside it, and a wake-up
+    nobody took yet: every entry the release declares exists, so its script runs on
+    the source mid-move. The first in line's own list exists nowhere, and the source
+    refuses an entry it does not have; the release must stand, and wake the first in
+    line on the key's list, which that waiter blocks on too."""
+    key = key_in(range(16384))
+    held = backend.try_acquire(key, owner(), 30, limit=2)
+    backend.try_acquire(key, owner(), 30, limit=2)
+    line = f'[{{"id": "{owner()}", "until": {time.time() + 60}, "priority": 0}}]'
+    assert backend.swap_mark(key, "line", None, line, 60)
+    source = resharding.clients[resharding.master_of(slot_of(key))]
+    source.set(layout.waiting(key), 1, px=60_000)
+    source.rpush(layout.signal(key), 1)
+    to = resharding.other_master(slot_of(key))
+    with resharding.half_moved(slot_of(key), to):
+        assert backend.release(held) is True
+    assert held.owner not in {info.owner for info in backend.holders_of(key)}
+    assert resharding.clients[to].llen(layout.signal(key)) == 2
+
+
 # --- a workload while slots move back and forth -----------------------------------------
 
 
