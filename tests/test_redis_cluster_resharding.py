@@ -29,9 +29,11 @@ from typing import Callable
 
 import pytest
 from redis.crc import key_slot
+from redis.exceptions import ResponseError
 
 from celery_exclusive.backends.base import Lease
 from celery_exclusive.backends.redis import RedisBackend, layout
+from celery_exclusive.backends.redis.failures import translate
 from celery_exclusive.errors import BackendUnavailable
 from tests.servers import RedisClusterServers
 
@@ -419,6 +421,22 @@ def test_a_release_mid_move_frees_the_key_and_wakes_the_first_in_line_on_the_key
         assert backend.release(held) is True
     assert held.owner not in {info.owner for info in backend.holders_of(key)}
     assert resharding.clients[to].llen(layout.signal(key)) == 2
+
+
+def test_a_script_refused_an_entry_of_its_moving_slot_reports_the_store_unavailable(
+    backend, servers, resharding
+):
+    """Mid-move, a node refuses a script an entry of the slot it does not have ("non
+    local key"); after the move the same script runs: an outage, not a wrong setting."""
+    key = key_in(range(16384))
+    backend.try_acquire(key, owner(), 30)
+    touch = "return redis.call('RPUSH', KEYS[1] .. ':elsewhere', 1)"
+    moving = resharding.half_moved(slot_of(key), resharding.other_master(slot_of(key)))
+    with moving, pytest.raises(ResponseError, match="non local key") as refused:
+        backend.client.eval(touch, 1, layout.lease(key))
+    error = translate(refused.value, servers.url, f"releasing {key!r}", key, cluster=True)
+    assert isinstance(error, BackendUnavailable)
+    assert backend.client.eval(touch, 1, layout.lease(key)) == 1
 
 
 # --- a workload while slots move back and forth -----------------------------------------
