@@ -83,6 +83,10 @@ def translate(
         return exc
     if isinstance(exc, _TRANSIENT_ERRORS):
         return unavailable(exc, url, action)
+    if cluster and "NON LOCAL KEY" in upper:
+        # A script refused an entry of its own key's slot: the slot is moving between
+        # masters (resharding), and the script runs once the move is done.
+        return unavailable(exc, url, action)
     if (
         isinstance(exc, rex.NoPermissionError)
         or "NOPERM" in upper

@@ -137,11 +137,23 @@ local function wake(line_key, signal_key, waiting_key, slots, signal_ttl)
   if not signal and redis.call('EXISTS', waiting_key) == 1 then
     signal = signal_key
   end
-  if signal then
-    redis.call('RPUSH', signal, 1)
-    redis.call('LTRIM', signal, -slots, -1)
-    redis.call('PEXPIRE', signal, signal_ttl)
+  if not signal then
+    return
   end
+  -- A waiter's own list is the one entry a script writes without declaring it. While
+  -- a Redis Cluster moves the key's slot, the node refuses an undeclared entry it does
+  -- not have, and the release already written would be reported as failed: the first
+  -- in line is then woken on the key's list instead, which it blocks on too.
+  local pushed = redis.pcall('RPUSH', signal, 1)
+  if type(pushed) == 'table' and pushed.err then
+    if signal == signal_key then
+      error(pushed)
+    end
+    signal = signal_key
+    redis.call('RPUSH', signal, 1)
+  end
+  redis.call('LTRIM', signal, -slots, -1)
+  redis.call('PEXPIRE', signal, signal_ttl)
 end
 """
 
