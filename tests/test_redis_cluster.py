@@ -7,9 +7,11 @@ import uuid
 
 import pytest
 from redis.crc import key_slot
+from redis.exceptions import ResponseError
 
 from celery_exclusive.backends.redis import RedisBackend, layout
-from celery_exclusive.errors import ConfigurationError
+from celery_exclusive.backends.redis.failures import translate
+from celery_exclusive.errors import BackendUnavailable, ConfigurationError
 from tests.apps import ledger as ledger_app
 from tests.cluster import Stack
 from tests.workers import overlaps, read_ledger, runs_by_key
@@ -110,3 +112,17 @@ def _served_by(node, key: str) -> bool:
         start <= slot <= end and int(master[1]) == node.port
         for start, end, master, *_ in node.client().execute_command("CLUSTER", "SLOTS")
     )
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        "Script attempted to execute a command while the cluster is down",
+        "Script attempted to execute a write command while the cluster is down and readonly",
+    ],
+)
+def test_a_script_that_finds_the_cluster_down_reports_the_store_unavailable(reply):
+    """Redis's own replies (src/script.c) when a script runs on a node that lost its
+    cluster's majority: an outage that ends, not a wrong setting."""
+    error = translate(ResponseError(reply), "redis+cluster://h:1", "acquiring 'k'", "k", True)
+    assert isinstance(error, BackendUnavailable)

@@ -83,9 +83,10 @@ def translate(
         return exc
     if isinstance(exc, _TRANSIENT_ERRORS):
         return unavailable(exc, url, action)
-    if cluster and "NON LOCAL KEY" in upper:
+    if cluster and ("NON LOCAL KEY" in upper or "CLUSTER IS DOWN" in upper):
         # A script refused an entry of its own key's slot: the slot is moving between
-        # masters (resharding), and the script runs once the move is done.
+        # masters (resharding), and the script runs once the move is done. Or a script
+        # ran on a node that lost its cluster's majority, which comes back.
         return unavailable(exc, url, action)
     if (
         isinstance(exc, rex.NoPermissionError)
