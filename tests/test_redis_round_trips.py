@@ -17,6 +17,7 @@ from celery.app.task import Context
 from redis.connection import AbstractConnection
 
 from celery_exclusive import ExclusiveTask
+from celery_exclusive.backends.redis import layout
 from celery_exclusive.marks import finished_attempt
 
 
@@ -28,13 +29,17 @@ def app(redis_url):
 
 
 @contextlib.contextmanager
-def counting_round_trips(monkeypatch):
-    """Count what the process sends to Redis: one send per command or pipeline."""
+def counting_round_trips(monkeypatch, key: str):
+    """Count what the process sends to Redis about ``key``: one send per command or
+    pipeline (other tests' clients and heartbeats in this process send too)."""
     sent: list[bytes] = []
     send = AbstractConnection.send_packed_command
+    name = ("{" + layout.escape(key)).encode()  # its entries' names, and its marks'
 
     def counted(self, command, check_health=True):
-        sent.append(command)
+        packed = command if isinstance(command, bytes) else b"".join(command)
+        if name in packed:
+            sent.append(packed)
         return send(self, command, check_health)
 
     monkeypatch.setattr(AbstractConnection, "send_packed_command", counted)
@@ -59,8 +64,9 @@ def test_an_uncontended_call_costs_two_round_trips(app, monkeypatch, acks_late):
         return invoice
 
     as_a_worker_calls(settle, 0)  # connects and loads the scripts
-    with counting_round_trips(monkeypatch) as sent:
-        assert as_a_worker_calls(settle, 7)[0] == 7
+    invoice = uuid.uuid4().int
+    with counting_round_trips(monkeypatch, settle.exclusive_key_for((invoice,), {})) as sent:
+        assert as_a_worker_calls(settle, invoice)[0] == invoice
     assert len(sent) == 2, sent
 
 
