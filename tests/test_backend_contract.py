@@ -348,6 +348,15 @@ def test_setting_the_mark_and_releasing_swaps_from_the_expected_value(marks):
     assert marks.read_mark("m", "x") == "2"
 
 
+def test_setting_the_mark_and_releasing_frees_one_slot_of_a_limit(marks):
+    first = marks.try_acquire("k", owner(), 10, 2)
+    grant, value = marks.try_acquire_and_read_mark("k", owner(), 10, 2, None, None, ("m", "x"))
+    assert first is not None and grant is not None and value is None
+    assert marks.swap_mark_and_release(grant, ("m", "x"), None, "0", 10) is True
+    assert [info.owner for info in marks.holders_of("k")] == [first.owner]
+    assert marks.try_acquire("k", owner(), 10, 2) is not None
+
+
 def test_a_mark_that_moved_leaves_mark_and_lease_as_they_were(marks):
     marks.swap_mark("m", "x", None, "5", 10)
     lease = marks.try_acquire("k", owner(), 10)
