@@ -275,6 +275,9 @@ class ExclusiveTask(Task):
             except BackendUnavailable as exc:
                 outcome.lease.release()
                 return self._without_store(exc, key, args, kwargs)
+            except BaseException:
+                outcome.lease.release()  # nobody runs under it; release() is idempotent
+                raise
 
         if isinstance(outcome, policies.Redelivered):
             self._set_aside(key, outcome.countdown)

@@ -366,6 +366,13 @@ def test_a_mark_that_moved_leaves_mark_and_lease_as_they_were(marks):
     assert marks.release(lease) is True
 
 
+def test_setting_the_mark_and_releasing_again_finds_its_own_write(marks):
+    lease = marks.try_acquire("k", owner(), 10)
+    assert marks.swap_mark_and_release(lease, ("m", "x"), None, "3", 10) is True
+    assert marks.swap_mark_and_release(lease, ("m", "x"), None, "3", 10) is False
+    assert marks.read_mark("m", "x") == "3"
+
+
 def test_setting_the_mark_on_a_lease_already_gone_reports_it_not_freed(marks):
     lease = marks.try_acquire("k", owner(), 10)
     marks.force_release("k")

@@ -9,6 +9,7 @@ never lets a client library's exception escape.
 from __future__ import annotations
 
 import abc
+import contextlib
 import time
 import uuid
 from collections.abc import Iterable, Mapping
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 from urllib.parse import urlsplit, urlunsplit
 
-from ..errors import BackendUnavailable
+from ..errors import BackendUnavailable, ExclusiveError
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,18 @@ class Backend(abc.ABC):
         grant = self.try_acquire(key, owner, ttl, limit, holder, claimant=claimant)
         if grant is None:
             return None, None
-        return grant, self.read_mark(*mark)
+        try:
+            return grant, self.read_mark(*mark)
+        except ExclusiveError:
+            self.give_back(grant)
+            raise
+
+    def give_back(self, grant: Lease) -> None:
+        """Release a grant nobody will run under, as well as the store lets: after a
+        failure that keeps its caller from using it. A release that fails too leaves it
+        to expire."""
+        with contextlib.suppress(ExclusiveError):
+            self.release(grant)
 
     @abc.abstractmethod
     def renew(self, leases: Iterable[Lease]) -> set[Lease]:
@@ -134,11 +146,14 @@ class Backend(abc.ABC):
         if it holds ``expected`` (None: absent), then :meth:`release` ``lease``.
 
         Returns what the release returns; None if the mark held something else, and
-        then nothing changed: ``lease`` is still held. An attempt that must be recorded
-        as ended before its key is free ends this way. A store that can do both in one
-        round trip, in that order, overrides this.
+        then nothing changed: ``lease`` is still held. A mark that already holds ``new``
+        counts as set (a call sent again after its answer was lost finds its own
+        write). An attempt that must be recorded as ended before its key is free ends
+        this way. A store that can do both in one round trip, in that order, overrides
+        this.
         """
-        if not self.swap_mark(mark[0], mark[1], expected, new, ttl):
+        key, kind = mark
+        if not self.swap_mark(key, kind, expected, new, ttl) and self.read_mark(key, kind) != new:
             return None
         return self.release(lease)
 

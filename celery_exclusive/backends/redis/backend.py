@@ -210,12 +210,14 @@ class RedisBackend(Backend):
             if not isinstance(token, NoScriptError):
                 break
             script.sha = self._call(action, key, self.client.script_load, script.script)
-        for reply in (token, value):
-            if isinstance(reply, Exception):
-                raise translate(reply, self.safe_url, action, key, self.cluster)
+        if isinstance(token, Exception):
+            raise translate(token, self.safe_url, action, key, self.cluster)
         if token is None:
             return None, None
         grant = Lease(key, owner, int(token), ttl, limit)
+        if isinstance(value, Exception):
+            self.give_back(grant)
+            raise translate(value, self.safe_url, action, key, self.cluster)
         return grant, None if value is None else _text(value)
 
     def _acquire_replicated(self, key: str, keys: list, args: list) -> Optional[int]:

@@ -467,13 +467,16 @@ SWAP_MARK_AND_RELEASE = (
 -- end of an attempt that records it ended, in one step.
 -- Returns 1 if the owner held the key, 0 if not (the mark is set all the same), or -1
 -- if the mark held something else (then nothing changed, and the key is still held).
+-- A mark that already holds the new value counts as set: a client that sends the
+-- script again after losing its reply finds its own write.
 local lease_key, holders_key, line_key = KEYS[1], KEYS[2], KEYS[3]
 local signal_key, waiting_key, mark_key = KEYS[4], KEYS[5], KEYS[6]
 local owner, limit, signal_ttl = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local has_expected, expected = ARGV[4] == '1', ARGV[5]
 local new, ttl = ARGV[6], ARGV[7]
 
-if swap(mark_key, has_expected, expected, true, new, ttl) == 0 then
+if redis.call('GET', mark_key) ~= new
+    and swap(mark_key, has_expected, expected, true, new, ttl) == 0 then
   return -1
 end
 return release(lease_key, holders_key, line_key, signal_key, waiting_key,
