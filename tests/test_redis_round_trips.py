@@ -80,3 +80,21 @@ def test_an_acks_late_call_records_that_it_ended(app):
     key = late.exclusive_key_for((7,), {})
     assert finished_attempt(backend, key, task_id) == 0
     assert backend.holders_of(key) == []
+
+
+def test_an_acks_late_call_reads_its_finished_mark_after_its_grant(app, monkeypatch):
+    """Only a holder of the key writes the mark, so a read that follows the grant on
+    the same connection cannot miss a write of the attempt before; one that preceded it
+    could (the previous holder marks and releases in between)."""
+
+    @app.task(name="rt.order", base=ExclusiveTask, acks_late=True, shared=False)
+    def order(invoice: int) -> int:
+        return invoice
+
+    as_a_worker_calls(order, 0)
+    invoice = uuid.uuid4().int
+    with counting_round_trips(monkeypatch, order.exclusive_key_for((invoice,), {})) as sent:
+        as_a_worker_calls(order, invoice)
+    first = sent[0]
+    assert b"EVALSHA" in first and b"GET" in first
+    assert first.index(b"EVALSHA") < first.index(b"\r\nGET\r\n")
