@@ -11,6 +11,7 @@ import pytest
 from celery_exclusive.backends.redis import RedisBackend
 from celery_exclusive.backends.redis.failures import ACL_COMMANDS
 from celery_exclusive.errors import ConfigurationError
+from celery_exclusive.marks import DONE, finished_key
 from tests.apps import ledger as ledger_app
 from tests.cluster import Stack
 from tests.servers import RedisServer, TLSFiles
@@ -178,3 +179,30 @@ def test_a_permission_revoked_at_run_time_fails_the_task_instead_of_requeueing_i
             result.get(timeout=30)
         assert result.state == "FAILURE"
         assert read_ledger(stack.ledger) == []
+
+
+def test_a_grant_whose_wait_is_refused_is_given_back(acl_server):
+    """With min_replicas, the grant and its WAIT go in one round trip: a WAIT the user
+    may not run fails the acquire, and the grant it follows must not stay behind."""
+    url = acl_user(acl_server, "no-wait", NEEDED) + "?min_replicas=1"
+    with pytest.raises(ConfigurationError, match="ACL SETUSER"):
+        RedisBackend(url).try_acquire("exclusive:replicated", owner(), 30)
+    admin = RedisBackend(f"redis://127.0.0.1:{acl_server.port}/0")
+    assert admin.holders_of("exclusive:replicated") == []
+    admin.close()
+
+
+def test_a_grant_whose_finished_mark_may_not_be_read_is_given_back(acl_server):
+    """The finished mark of a task id lives beside its key, not among the key's own
+    entries: a user granted only the key's entries gets the grant, then a refusal."""
+    user = "one-key"
+    acl_server.client().execute_command(
+        "ACL", "SETUSER", user, "reset", "on", f">{PASSWORD}", "~{exclusive:k}*",
+        *(f"+{command}" for command in NEEDED),
+    )  # fmt: skip
+    backend = RedisBackend(f"redis://{user}:{PASSWORD}@127.0.0.1:{acl_server.port}/0")
+    mark = (finished_key("exclusive:k", "task-1"), DONE)
+    with pytest.raises(ConfigurationError, match="ACL SETUSER"):
+        backend.try_acquire_and_read_mark("exclusive:k", owner(), 30, 1, None, None, mark)
+    assert backend.holders_of("exclusive:k") == []
+    backend.close()

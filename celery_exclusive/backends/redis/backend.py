@@ -175,11 +175,10 @@ class RedisBackend(Backend):
         claimant: Optional[str] = None,
     ) -> Optional[Lease]:
         self._fresh_master()
-        keys, args = _acquisition(key, owner, ttl, limit, holder, claimant)
         if self.options.min_replicas:
-            token = self._acquire_replicated(key, keys, args)
-        else:
-            token = self._run("acquire", f"acquiring {key!r}", key, keys, args)
+            return self._acquire_replicated(key, owner, ttl, limit, holder, claimant)
+        keys, args = _acquisition(key, owner, ttl, limit, holder, claimant)
+        token = self._run("acquire", f"acquiring {key!r}", key, keys, args)
         return None if token is None else Lease(key, owner, int(token), ttl, limit)
 
     def try_acquire_and_read_mark(
@@ -199,50 +198,66 @@ class RedisBackend(Backend):
         if self.cluster or self.options.min_replicas:
             return super().try_acquire_and_read_mark(key, owner, ttl, limit, holder, claimant, mark)
         self._fresh_master()
+        claim = (key, owner, ttl, limit, holder, claimant)
+        grant, value = self._acquire_then(*claim, "GET", layout.mark(*mark))
+        return grant, None if grant is None or value is None else _text(value)
+
+    def _acquire_then(
+        self,
+        key: str,
+        owner: str,
+        ttl: float,
+        limit: int,
+        holder: Optional[Mapping[str, Any]],
+        claimant: Optional[str],
+        *command,
+    ) -> tuple[Optional[Lease], Any]:
+        """Acquire, then send ``command`` on the same connection: one round trip, and
+        Redis runs the command after the grant. A store that lost its scripts gets the
+        acquire script again.
+
+        Returns the grant (None if refused) and the command's reply. A command that
+        fails after a grant gives the grant back, then raises: nobody runs under it.
+        """
         keys, args = _acquisition(key, owner, ttl, limit, holder, claimant)
         action = f"acquiring {key!r}"
         script = self._script("acquire")
         for _ in range(2):
             pipe = self.client.pipeline(transaction=False)
             pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-            pipe.execute_command("GET", layout.mark(*mark))
-            token, value = self._call(action, key, pipe.execute, raise_on_error=False)
+            pipe.execute_command(*command)
+            token, reply = self._call(action, key, pipe.execute, raise_on_error=False)
             if not isinstance(token, NoScriptError):
                 break
             script.sha = self._call(action, key, self.client.script_load, script.script)
         if isinstance(token, Exception):
             raise translate(token, self.safe_url, action, key, self.cluster)
-        if token is None:
-            return None, None
-        grant = Lease(key, owner, int(token), ttl, limit)
-        if isinstance(value, Exception):
-            self.give_back(grant)
-            raise translate(value, self.safe_url, action, key, self.cluster)
-        return grant, None if value is None else _text(value)
+        grant = None if token is None else Lease(key, owner, int(token), ttl, limit)
+        if isinstance(reply, Exception):
+            if grant is not None:
+                self.give_back(grant)
+            raise translate(reply, self.safe_url, action, key, self.cluster)
+        return grant, reply
 
-    def _acquire_replicated(self, key: str, keys: list, args: list) -> Optional[int]:
+    def _acquire_replicated(
+        self,
+        key: str,
+        owner: str,
+        ttl: float,
+        limit: int,
+        holder: Optional[Mapping[str, Any]],
+        claimant: Optional[str],
+    ) -> Optional[Lease]:
         """Acquire, then ``WAIT`` on the same connection (one round trip for both); a
         grant that too few replicas acknowledged is withdrawn: a failover would lose it."""
-        action = f"acquiring {key!r}"
-        wanted, timeout = self.options.min_replicas, self.options.min_replicas_timeout
-        script = self._script("acquire")
-        for _ in range(2):
-            pipe = self.client.pipeline(transaction=False)
-            pipe.evalsha(script.sha, len(keys), *keys, *args)
-            pipe.execute_command("WAIT", wanted, _ms(timeout))
-            token, acked = self._call(action, key, pipe.execute, raise_on_error=False)
-            if not isinstance(token, NoScriptError):
-                break
-            self._call(action, key, self.client.script_load, script.script)
-        for reply in (token, acked):
-            if isinstance(reply, Exception):
-                raise translate(reply, self.safe_url, action, key, self.cluster)
-        if token is None or acked >= wanted:
-            return token
-        lease = Lease(key, args[0], int(token), 1.0, int(args[2]))
-        self.release(lease)
+        replicas, timeout = self.options.min_replicas, self.options.min_replicas_timeout
+        claim = (key, owner, ttl, limit, holder, claimant)
+        grant, acked = self._acquire_then(*claim, "WAIT", replicas, _ms(timeout))
+        if grant is None or acked >= replicas:
+            return grant
+        self.release(grant)
         raise BackendUnavailable(
-            f"the grant of {key!r} reached {acked} of the {wanted} replica(s) "
+            f"the grant of {key!r} reached {acked} of the {replicas} replica(s) "
             f"min_replicas in exclusive_backend_url asks for within {timeout} s, so it was "
             "withdrawn (a failover could lose it). Check the replicas, or lower "
             "min_replicas.",
