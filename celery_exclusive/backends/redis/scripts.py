@@ -475,8 +475,8 @@ local owner, limit, signal_ttl = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local has_expected, expected = ARGV[4] == '1', ARGV[5]
 local new, ttl = ARGV[6], ARGV[7]
 
-if redis.call('GET', mark_key) ~= new
-    and swap(mark_key, has_expected, expected, true, new, ttl) == 0 then
+if swap(mark_key, has_expected, expected, true, new, ttl) == 0
+    and redis.call('GET', mark_key) ~= new then
   return -1
 end
 return release(lease_key, holders_key, line_key, signal_key, waiting_key,
