@@ -120,6 +120,10 @@ class HeldLease:
         if self.released:
             return False
         self._stop_renewing()
+        return self._send_release(unsure)
+
+    def _send_release(self, unsure: bool) -> bool:
+        """Ask the store to free the lease, which no longer renews it."""
         try:
             freed = self.backend.release(self.grant)
         except ExclusiveError as exc:
@@ -151,8 +155,7 @@ class HeldLease:
         try:
             freed = self.backend.swap_mark_and_release(self.grant, mark, expected, new, ttl)
         except ExclusiveError:
-            self.released = False
-            self.release(unsure=True)
+            self._send_release(unsure=True)
             raise
         if freed is None:
             self._keep_renewing()
