@@ -9,12 +9,13 @@ because the store was down and ``on_backend_error="run"`` sees an
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Callable, Optional
 
 from . import signals
@@ -137,6 +138,17 @@ class HeldLease:
             return False
         self._given_back(freed, unsure)
         return freed
+
+    @contextlib.contextmanager
+    def released_on_error(self) -> Iterator[None]:
+        """Release the lease if the ``with`` block raises. What fails between a grant
+        and the body leaves nobody to run under the lease, and the heartbeat would
+        renew it for as long as the process lives."""
+        try:
+            yield
+        except BaseException:
+            self.release()
+            raise
 
     def release_after_mark(
         self, mark: tuple[str, str], expected: Optional[str], new: str, ttl: float

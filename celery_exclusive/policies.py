@@ -104,15 +104,12 @@ def claim(
     else:
         lease = _try(settings, backend, key, name, task_id, task_id)
     if lease is not None:
-        try:
-            copy = redelivery and task_id and settings.limit > 1
+        copy = redelivery and task_id and settings.limit > 1
+        with lease.released_on_error():
             if copy and _held_by(backend, key, task_id, lease):
                 # A semaphore had a slot left for the copy: give it back.
                 lease.release()
                 return Redelivered(key, requeue_delay(settings, requeues))
-        except BaseException:
-            lease.release()  # nobody runs under it: the heartbeat would keep it forever
-            raise
         run = _run(settings, backend, key, task_id, lease)
         return replace(run, finished_read=finished_read, finished=finished)
 
@@ -283,15 +280,11 @@ def _run(
     task_id: Optional[str],
     lease: HeldLease,
 ) -> Run:
-    """Run under ``lease``, with a pending rerun's arguments if there is one. If taking
-    them fails, the lease goes back: nobody runs under it, and the heartbeat would keep
-    it for as long as the process lives."""
+    """Run under ``lease``, with a pending rerun's arguments if there is one (if taking
+    them fails, the lease goes back)."""
     if settings.on_duplicate == "rerun" and task_id:
-        try:
+        with lease.released_on_error():
             return Run(lease, marks.take_rerun(backend, key, task_id))
-        except BaseException:
-            lease.release()
-            raise
     return Run(lease)
 
 

@@ -271,13 +271,10 @@ class ExclusiveTask(Task):
             return self._without_store(exc, key, args, kwargs)
         if isinstance(outcome, policies.Run) and redelivery:
             try:
-                self._drop_if_finished(outcome)
+                with outcome.lease.released_on_error():
+                    self._drop_if_finished(outcome)
             except BackendUnavailable as exc:
-                outcome.lease.release()
                 return self._without_store(exc, key, args, kwargs)
-            except BaseException:
-                outcome.lease.release()  # nobody runs under it; release() is idempotent
-                raise
 
         if isinstance(outcome, policies.Redelivered):
             self._set_aside(key, outcome.countdown)
@@ -427,7 +424,8 @@ class ExclusiveTask(Task):
         ttl, retries = self._finished_ttl(), request.retries
         if hasattr(request, FINISHED_MARK):
             current = getattr(request, FINISHED_MARK)
-            if current is None or int(current) < retries:
+            finished = marks.attempt_of(current)
+            if finished is None or finished < retries:
                 mark = (marks.finished_key(lease.key, request.id), marks.DONE)
                 if lease.release_after_mark(mark, current, str(retries), ttl) is not None:
                     return True
