@@ -11,6 +11,7 @@ BENCH_LEDGER   Redis URL where tasks record timestamps for the latency benchmark
 BENCH_TTL      lease ttl in seconds
 BENCH_RECORD_RELEASES  if set, every release of a bench.hold_* lease is timestamped
 BENCH_PROFILE  if set, a cProfile of the worker's main thread is written there at shutdown
+BENCH_STREAM   if set, every task's start is timestamped in the process (see stream.py)
 """
 
 from __future__ import annotations
@@ -113,6 +114,139 @@ NOOPS = {
     "celery-once": once,
     "celery-singleton": singleton,
 }
+
+
+@app.task(name="bench.exclusive_both", base=ExclusiveTask, exclusive_scope="both")
+def exclusive_both(i: int) -> None:
+    return None
+
+
+def _results_elsewhere():
+    """Celery's Redis result backend on the same server reached by another address
+    (``localhost``), which the release script does not write for: the fallback path,
+    where the release and Celery's own store are round trips of their own."""
+    if not BROKER.startswith("redis://127.0.0.1"):
+        return None
+    from celery.backends.redis import RedisBackend
+
+    return RedisBackend(app=app, url=BROKER.replace("127.0.0.1", "localhost", 1))
+
+
+@app.task(name="bench.exclusive_elsewhere", base=ExclusiveTask, backend=_results_elsewhere())
+def exclusive_results_elsewhere(i: int) -> None:
+    return None
+
+
+# -- floors of the mixed stream: the round trips a lease needs, with no library Python --
+
+_store = None
+
+
+def store() -> redis.Redis:
+    """The lease store's Redis, on a connection of this process's own."""
+    global _store
+    if _store is None:
+        _store = redis.Redis.from_url(STORE)
+    return _store
+
+
+@app.task(name="bench.floor_one_trip")
+def floor_one_trip(i: int) -> None:
+    """One bare round trip (what a peer's unlock costs the worker)."""
+    store().delete(f"floor:{i}")
+
+
+@app.task(name="bench.floor_two_trips")
+def floor_two_trips(i: int) -> None:
+    """Two bare round trips: the cheapest lock and unlock around a body."""
+    client = store()
+    client.set(f"floor:{i}", "1", nx=True, px=30_000)
+    client.delete(f"floor:{i}")
+
+
+@app.task(name="bench.floor_two_scripts")
+def floor_two_scripts(i: int) -> None:
+    """The store's own acquire and release scripts, sent by EVALSHA on the raw
+    connection with their arguments built inline: the lease's round trips and store
+    time without the library's Python around them."""
+    from celery_exclusive.backends.redis import layout, scripts
+
+    client = store()
+    names = layout.entries(f"floor:{i}")
+    acquire, release = _floor_shas(client, scripts)
+    client.execute_command(
+        "EVALSHA",
+        acquire,
+        4,
+        names.lease,
+        names.fence,
+        names.holders,
+        names.line,
+        "o",
+        30_000,
+        1,
+        "{}",
+        "",
+    )
+    client.execute_command(
+        "EVALSHA",
+        release,
+        5,
+        names.lease,
+        names.holders,
+        names.line,
+        names.signal,
+        names.waiting,
+        "o",
+        1,
+        30_000,
+    )
+
+
+_shas: tuple = ()
+
+
+def _floor_shas(client, scripts) -> tuple:
+    global _shas
+    if not _shas:
+        _shas = (client.script_load(scripts.ACQUIRE), client.script_load(scripts.RELEASE))
+    return _shas
+
+
+STREAM_NOOPS = {
+    "plain": plain,
+    "celery-once": once,
+    "celery-singleton": singleton,
+    "exclusive": exclusive,
+    'exclusive, scope="both"': exclusive_both,
+    "exclusive, result stored by Celery": exclusive_results_elsewhere,
+    "plain, acks_late": plain_acks_late,
+    "exclusive, acks_late": exclusive_acks_late,
+    "floor: one round trip": floor_one_trip,
+    "floor: two round trips": floor_two_trips,
+    "floor: two scripts, no library Python": floor_two_scripts,
+}
+
+
+# -- the mixed stream: each task's start, kept in the process until flushed -----------
+
+_starts: list = []
+
+
+def _started(sender=None, args=None, **extra) -> None:
+    _starts.append((time.perf_counter(), sender.name, args[0] if args else None))
+
+
+if os.environ.get("BENCH_STREAM"):
+    signals.task_prerun.connect(_started, weak=False)
+
+
+@app.task(name="bench.stream_flush")
+def stream_flush() -> dict:
+    """This process's task starts since the last flush, and forget them."""
+    taken = list(_starts)
+    del _starts[:]
+    return {"pid": os.getpid(), "starts": taken}
 
 
 # -- handoff, failover and scale: runs that leave timestamps in the ledger --------------

@@ -2,7 +2,7 @@
 one kill schedule.
 
 Each side runs three real ``celery beat`` processes and a worker
-(``tests/django_beat/cluster.py``), with entries every 1 s, 2 s and 15 s; celery-exclusive
+(``tests/support/django_beat/cluster.py``), with entries every 1 s, 2 s and 15 s; celery-exclusive
 also has a one-off ``ClockedSchedule`` (RedBeat has no one-off schedule). The leader is
 stopped right after it sent the 15 s entry, by SIGKILL, SIGTERM, SIGKILL, SIGTERM and
 SIGKILL in turn, and a beat is started in its place each time. Lease ttl and RedBeat
@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import redis_server
-from tests.django_beat.cluster import BeatCluster, by_entry, sent_twice, worst_gaps
+from tests.support.django_beat.cluster import BeatCluster, by_entry, sent_twice, worst_gaps
 
 TTL = 3.0
 INTERVALS = {"every-1s": 1, "every-2s": 2, "every-15s": 15}
@@ -32,7 +32,7 @@ SIGNALS = ["SIGKILL", "SIGTERM", "SIGKILL", "SIGTERM", "SIGKILL"]
 
 def django_schedule() -> dict:
     """A fresh django-celery-beat schedule; the environment its beats need."""
-    from tests.django_beat import db
+    from tests.support.django_beat import db
 
     path = db.configure()
     db.empty_schedule()
@@ -41,7 +41,7 @@ def django_schedule() -> dict:
     db.periodic("every-15s", 15, due_in=FIRST_DUE)
     db.one_off("one-off", due_in=FIRST_DUE - 1)
     return {
-        "DJANGO_SETTINGS_MODULE": "tests.django_beat.settings",
+        "DJANGO_SETTINGS_MODULE": "tests.support.django_beat.settings",
         "EXCLUSIVE_TEST_DJANGO_DB": path,
     }
 
@@ -54,7 +54,7 @@ def static_schedule() -> dict:
 #: Side -> (the beats' app, what writes its schedule, whether it has the one-off).
 SIDES = {
     "celery-exclusive + django-celery-beat": (
-        "tests.django_beat.celery_app",
+        "tests.support.django_beat.celery_app",
         django_schedule,
         True,
     ),

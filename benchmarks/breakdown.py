@@ -16,7 +16,9 @@ Three comparisons, each interleaved over several rounds (median round reported):
 
 and **script time**: the store's own microseconds per ``EVALSHA`` of the acquire and
 release scripts on the uncontended path, from ``INFO commandstats``, beside an empty
-script's and a plain ``SET``'s, which give the floor on the machine at hand.
+script's and a plain ``SET``'s, which give the floor on the machine at hand; the
+**renewal** of 1,250 leases by one process (scripts sent, the longest one's time in
+Redis, from the slow log); and what a **burst** of 10,000 distinct keys leaves behind.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from benchmarks.common import median, redis_server
 from celery_exclusive import ExclusiveTask, signals
 from celery_exclusive.backends import Lease
 from celery_exclusive.backends.redis import RedisBackend, layout
-from celery_exclusive.lease import acquire
+from celery_exclusive.core.lease import acquire
 
 
 def _timed(fn, n: int) -> float:
@@ -187,6 +189,47 @@ def script_time(client, url: str, n: int, rounds: int) -> dict[str, float]:
     return {name: round(median(values), 2) for name, values in samples.items()}
 
 
+def renewal(url: str, client, leases: int = 1250, rounds: int = 5) -> dict[str, float]:
+    """One process renewing ``leases`` leases (one of four holding 5,000): how many
+    scripts it sends and the longest any of them blocks Redis, from the slow log (every
+    command logged), median over rounds."""
+    backend = RedisBackend(url)
+    held = [backend.try_acquire(f"renewal:{i}", uuid.uuid4().hex, 60.0) for i in range(leases)]
+    backend.renew(held)  # loads the script
+    longest, scripts = [], []
+    client.config_set("slowlog-max-len", 100_000)  # Redis 7 logs a script's commands too
+    for _ in range(rounds):
+        client.config_set("slowlog-log-slower-than", 0)
+        client.slowlog_reset()
+        backend.renew(held)
+        entries = [e for e in client.slowlog_get(100_000) if e["command"].startswith(b"EVALSHA")]
+        client.config_set("slowlog-log-slower-than", 10_000)
+        longest.append(max(e["duration"] for e in entries))
+        scripts.append(len(entries))
+    for lease in held:
+        backend.release(lease)
+    backend.close()
+    return {
+        "leases": leases,
+        "scripts": median(scripts),
+        "longest script µs": round(median(longest), 1),
+    }
+
+
+def burst(url: str, client, keys: int = 10_000) -> dict[str, float]:
+    """What a burst of ``keys`` distinct keys, each taken and released once, leaves in
+    the store: how many entries, and how long the longest-lived of them stays."""
+    backend = RedisBackend(url)
+    client.flushdb()
+    for i in range(keys):
+        backend.release(backend.try_acquire(f"burst:{i}", uuid.uuid4().hex, 30.0))
+    left = list(client.scan_iter(count=1000))
+    longest = max((client.pttl(name) for name in left), default=0)
+    client.flushdb()
+    backend.close()
+    return {"keys": keys, "entries left": len(left), "longest kept s": round(longest / 1000)}
+
+
 def run(cycles: int = 2000, rounds: int = 5) -> dict:
     with redis_server() as server:
         client = server.client()
@@ -199,6 +242,8 @@ def run(cycles: int = 2000, rounds: int = 5) -> dict:
             "calls_us": _interleaved(call_functions, cycles, rounds),
             "parts_us": _interleaved(parts(url, app), cycles * 10, rounds),
             "script_us": script_time(client, url, cycles, rounds),
+            "renewal": renewal(url, client, rounds=rounds),
+            "burst": burst(url, client),
         }
         client.close()
     pair_us = result["pairs_us"]

@@ -14,8 +14,8 @@ from datetime import datetime, timezone
 
 import redis
 
-from tests.servers import EtcdServer, PostgresServer, RedisServer
-from tests.workers import Worker
+from tests.support.servers import EtcdServer, PostgresServer, RedisServer
+from tests.support.workers import Worker
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ import time
 from benchmarks import app as bench
 from benchmarks.common import bench_env, configure_client, median, redis_server, wait_until, worker
 from celery_exclusive import backend_for_url
-from tests.servers import kill_tree
+from tests.support.servers import kill_tree
 
 TTL = 3.0
 

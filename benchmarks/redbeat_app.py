@@ -16,7 +16,7 @@ import os
 from celery import Celery
 
 from benchmarks.beat import INTERVALS
-from tests.django_beat import ledger
+from tests.support.django_beat import ledger
 
 app = Celery("redbeat_bench")
 app.conf.update(

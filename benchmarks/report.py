@@ -13,6 +13,8 @@ def markdown(machine: dict, load: dict, r: dict) -> str:
         f"{load['start']}, at end {load['end']}.",
         "",
     ]
+    if "stream" in r:
+        lines += stream_table(r["stream"])
     if "overhead" in r:
         o = r["overhead"]
         lines += [
@@ -39,6 +41,24 @@ def markdown(machine: dict, load: dict, r: dict) -> str:
         lines.append("")
     if "breakdown" in r:
         lines += breakdown(r["breakdown"])
+    if "library" in r:
+        x = r["library"]
+        lines += [
+            f"**Library Python per call** — one process, leases in the memory store, "
+            f"median of {x['rounds']} interleaved rounds of {x['cycles']} calls made as a "
+            "solo worker makes them:",
+            "",
+            "| call | µs |",
+            "|---|---:|",
+        ]
+        lines += [f"| {name} | {us:.1f} |" for name, us in x["calls_us"].items()]
+        lines += [f"| added by the lease | {x['added_us']:.1f} |"]
+        if "added_fastest_us" in x:
+            lines += [
+                f"| added by the lease, fastest of 25 blocks of 1,000 calls | "
+                f"{x['added_fastest_us']:.1f} |"
+            ]
+        lines += [""]
     if "handoff" in r:
         lines += [
             "**Handoff** — holder's release to the waiting duplicate's start, on another worker:",
@@ -84,7 +104,53 @@ def markdown(machine: dict, load: dict, r: dict) -> str:
         lines.append("")
     if "beat" in r:
         lines += beat_table(r["beat"])
+    if "web" in r:
+        lines += web_table(r["web"])
     return "\n".join(lines)
+
+
+def stream_table(s: dict) -> list[str]:
+    """Per-task time inside one worker, every variant in one stream (stream.py)."""
+    pools = list(s["pools"])
+    lines = [
+        f"**Per-task time in one worker** — no-op tasks of every variant shuffled into one "
+        f"stream ({s['per_variant']} of each per round), Redis broker and results; a task's "
+        "time runs from its start to the next task's start in the same process; median per "
+        f"round over plain `Task`'s (`acks_late`: over plain `acks_late`), median of "
+        f"{s['rounds']} rounds. Load average at start {s['load']['start']}, at end "
+        f"{s['load']['end']}:",
+        "",
+        "| variant | " + " | ".join(f"{p}: µs | {p}: vs plain" for p in pools) + " |",
+        "|---|" + "---:|---:|" * len(pools),
+    ]
+    for name in s["pools"][pools[0]]["ratio"]:
+        cells = []
+        for pool in pools:
+            x = s["pools"][pool]
+            cells += [f"{x['per_task_us'].get(name, 0):.0f}", f"{x['ratio'].get(name, 0):.2f}x"]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append("")
+    return lines
+
+
+def web_table(w: dict) -> list[str]:
+    lines = [
+        f"**Web view** — {w['leases']:,} held leases (one key in ten a semaphore with two "
+        f"holders); one refresh of a page of {w['page_size']} keys with their marks, the "
+        "beat panel and the feed; store round trips and median time, against the "
+        "protocol's default page (every holder listed, each key's marks read on their own):",
+        "",
+        "| store | reads per refresh | ms | default page: reads | ms |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for store, row in w["per_refresh"].items():
+        page, default = row["page"], row["default_page"]
+        lines.append(
+            f"| {store} | {page['reads']} | {page['ms']:.0f} | {default['reads']} "
+            f"| {default['ms']:.0f} |"
+        )
+    lines.append("")
+    return lines
 
 
 def beat_table(b: dict) -> list[str]:
@@ -179,5 +245,17 @@ def breakdown(b: dict) -> list[str]:
     lines += [f"| {name} | {us:.1f} | {us / plain:.2f}x |" for name, us in calls.items()]
     lines += [f"| {name} | {us:.2f} | |" for name, us in b["parts_us"].items()]
     lines += [f"| store time: {name} | {us:.2f} | |" for name, us in b["script_us"].items()]
+    if "renewal" in b:
+        x = b["renewal"]
+        lines.append(
+            f"| renewing {x['leases']:,} leases: scripts, longest in Redis (µs) "
+            f"| {x['scripts']:.0f}, {x['longest script µs']:.0f} | |"
+        )
+    if "burst" in b:
+        x = b["burst"]
+        lines.append(
+            f"| a burst of {x['keys']:,} keys: entries left, kept for (s) "
+            f"| {x['entries left']:,}, {x['longest kept s']:,} | |"
+        )
     lines.append("")
     return lines

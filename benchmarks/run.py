@@ -26,24 +26,30 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 #: Benchmark module -> keyword arguments of its run().
 FULL = {
+    "stream": {"rounds": 5, "per_variant": 200},
     "overhead": {"n": 400, "rounds": 9},
     "primitive": {"pairs": 3000, "rounds": 5},
     "breakdown": {"cycles": 2000, "rounds": 5},
+    "library": {"cycles": 20000, "rounds": 5},
     "handoff": {"samples": {"wait": 100, "requeue": 15}},
     "failover": {"trials": 3},
     "scale": {"n": 400},
     "beat": {"runs": 3},
+    "web": {"leases": 10_000},
 }
 #: Run only when named: long, and against other peers than the rest.
-ONLY_WHEN_NAMED = {"beat"}
+ONLY_WHEN_NAMED = {"beat", "web"}
 QUICK = {
+    "stream": {"rounds": 2, "per_variant": 20},
     "overhead": {"n": 100, "rounds": 2},
     "primitive": {"pairs": 300, "rounds": 2},
     "breakdown": {"cycles": 200, "rounds": 2},
+    "library": {"cycles": 2000, "rounds": 2},
     "handoff": {"samples": {"wait": 5, "requeue": 2}},
     "failover": {"trials": 1},
     "scale": {"n": 60, "processes": [1, 2], "key_counts": [1, 100]},
     "beat": {"runs": 1, "signals": ["SIGKILL", "SIGTERM"]},
+    "web": {"leases": 500, "rounds": 2},
 }
 
 

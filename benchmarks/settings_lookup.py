@@ -18,7 +18,8 @@ import time
 from celery import Celery
 
 from benchmarks.common import median
-from celery_exclusive import ExclusiveTask, config
+from celery_exclusive import ExclusiveTask
+from celery_exclusive.core import config
 
 
 def _app_task():

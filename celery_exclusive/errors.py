@@ -88,14 +88,53 @@ class BackendUnavailable(ExclusiveError):
 
 
 class LeaseLost(ExclusiveError):
-    """The lease expired or was taken away while its holder was still running."""
+    """The lease expired or was taken away while its holder was still running.
 
-    fields = ("key", "task")
+    ``cause`` says why, as the lease found it: one of :data:`LOSS_ADVICE`'s keys. The
+    message ends with the advice that fits it.
+    """
 
-    def __init__(self, message: str, key: Optional[str] = None, task: Optional[str] = None):
-        super().__init__(message, key, task)
+    fields = ("key", "task", "cause")
+
+    def __init__(
+        self,
+        message: str,
+        key: Optional[str] = None,
+        task: Optional[str] = None,
+        cause: Optional[str] = None,
+    ):
+        super().__init__(message, key, task, cause)
         self.key = key
         self.task = task
+        self.cause = cause
+
+
+#: Why a held lease is lost, and what its holder's error advises. The lease decides the
+#: cause when it finds the loss (:mod:`celery_exclusive.core.losses`).
+LOSS_ADVICE = {
+    "expired": (
+        "Its renewals did not reach the store within lease_ttl: the process was paused, "
+        "its heartbeat starved (a CPU-bound body under gevent), or the store did not answer "
+        "that long. Raise lease_ttl above the longest pause and watch the heartbeat lag."
+    ),
+    "taken": (
+        "Another holder has the key although this lease had time left by its own clock: "
+        "the store expired it early (its clock jumped) or forgot it and granted the key "
+        "again. That holder's fencing token is higher, so storage that checks tokens refuses "
+        "this one's writes; keep the store's clock steady and its data persistent."
+    ),
+    "released": (
+        "An operator freed the key (celery exclusive release): this run was meant to stop, "
+        "and no setting needs changing."
+    ),
+    "reset": (
+        "The store no longer knows it although it had time left: the store lost what it had "
+        "acknowledged (a restart without persistence, an eviction, a failover to a replica "
+        "that missed the grant). Make it keep its data: for Redis, appendonly yes and "
+        "maxmemory-policy noeviction, and min_replicas=1 behind Sentinel."
+    ),
+    "unknown": "The store no longer has it; why could not be read back from the store.",
+}
 
 
 class DuplicateSkipped(ExclusiveError):
@@ -106,7 +145,7 @@ class DuplicateSkipped(ExclusiveError):
     ``holder_task_id`` the id of the task that held it.
     """
 
-    fields = ("key", "holder_task_id")
+    fields: tuple[str, ...] = ("key", "holder_task_id")
 
     def __init__(
         self, message: str, key: Optional[str] = None, holder_task_id: Optional[str] = None
@@ -122,3 +161,27 @@ class DuplicateCoalesced(DuplicateSkipped):
     It did not run and is not lost: the pending rerun, task ``holder_task_id``, runs
     once after the current holder, with the latest duplicate's arguments.
     """
+
+
+class LockHeld(DuplicateSkipped):
+    """An exclusive lock (:func:`celery_exclusive.exclusive_lock`, a task's
+    ``exclusive_lock()``) found its key held, and did not wait or waited in vain.
+
+    ``holder`` says who holds the key, in words: a task, another lock, or a client
+    of the store's own lock recipe; ``holder_task_id`` is the holder's task id when
+    it is a task.
+    """
+
+    fields = ("key", "holder_task_id", "holder")
+
+    def __init__(
+        self,
+        message: str,
+        key: Optional[str] = None,
+        holder_task_id: Optional[str] = None,
+        holder: Optional[str] = None,
+    ):
+        ExclusiveError.__init__(self, message, key, holder_task_id, holder)
+        self.key = key
+        self.holder_task_id = holder_task_id
+        self.holder = holder

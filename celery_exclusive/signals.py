@@ -13,8 +13,10 @@ lease_acquired = Signal(name="lease_acquired", providing_args={"key", "task_id",
 #: A lease was given back by its holder. Extra: ``held_for`` (seconds).
 lease_released = Signal(name="lease_released", providing_args={"key", "task_id", "held_for"})
 
-#: A held lease was found gone (expired or taken) while its holder ran. Extra: ``reason``.
-lease_lost = Signal(name="lease_lost", providing_args={"key", "task_id", "reason"})
+#: A held lease was found gone while its holder ran. Extra: ``reason`` (what was found)
+#: and ``cause``: ``expired``, ``taken``, ``released`` (by an operator), ``reset`` (the
+#: store forgot it) or ``unknown`` (see celery_exclusive.errors.LOSS_ADVICE).
+lease_lost = Signal(name="lease_lost", providing_args={"key", "task_id", "reason", "cause"})
 
 #: A call found its key held. Extra: ``policy`` (skip/requeue/wait/rerun), ``holder_task_id``.
 duplicate_detected = Signal(

@@ -34,11 +34,11 @@ from typing import Any, Optional
 
 import pytest
 
-from . import config
 from .backends import Backend, LeaseInfo, backend_for_url
+from .celery.task import ExclusiveTask
+from .core import config
+from .core.lease import HeldLease, acquire
 from .errors import ExclusiveError
-from .lease import HeldLease, acquire
-from .task import ExclusiveTask
 
 __all__ = ["ExclusiveStore", "exclusive_store"]
 

@@ -8,7 +8,7 @@ import pytest
 # pytest-celery, when installed, replaces this fixture with a Docker-based one.
 from celery.contrib.pytest import celery_worker  # noqa: F401
 
-from tests.servers import RedisServer
+from tests.support.servers import RedisServer
 
 _databases = itertools.count(1)
 
@@ -69,8 +69,8 @@ class BackendCase:
 @pytest.fixture(scope="session")
 def consul_server():
     """A real agent (CONSUL_HTTP_ADDR, or ``consul agent -dev``) if there is one, else the
-    emulator in tests/consul_emulator.py."""
-    from tests.consul_emulator import start_consul
+    emulator in tests/support/consul_emulator.py."""
+    from tests.support.consul_emulator import start_consul
 
     server = start_consul()
     yield server
@@ -90,7 +90,7 @@ def consul_url(consul_server, monkeypatch):
 @pytest.fixture(scope="session")
 def postgres_server():
     """A PostgreSQL cluster of the session's own (Debian's ``postgresql`` programs)."""
-    from tests.servers import PostgresServer
+    from tests.support.servers import PostgresServer
 
     server = PostgresServer()
     server.start()
@@ -107,7 +107,7 @@ def postgresql_url(postgres_server):
 @pytest.fixture(scope="session")
 def etcd_server():
     """A one-member etcd of the session's own (Debian's ``etcd-server``)."""
-    from tests.servers import EtcdServer
+    from tests.support.servers import EtcdServer
 
     server = EtcdServer()
     server.start()
@@ -124,8 +124,8 @@ def etcd_url(etcd_server):
 @pytest.fixture(scope="session")
 def mongo_server():
     """The MongoDB at MONGODB_URL if set, else the wire-protocol stand-in in
-    tests/mongo_standin.py (no MongoDB server can be installed here)."""
-    from tests.mongo_standin import start_mongo
+    tests/support/mongo_standin.py (no MongoDB server can be installed here)."""
+    from tests.support.mongo_standin import start_mongo
 
     server = start_mongo()
     yield server
@@ -141,7 +141,7 @@ def mongodb_url(mongo_server):
 @pytest.fixture(scope="session")
 def redis_cluster():
     """A real 3-master Redis Cluster, started once for the session."""
-    from tests.servers import RedisClusterServers
+    from tests.support.servers import RedisClusterServers
 
     servers = RedisClusterServers()
     servers.start()
@@ -169,6 +169,11 @@ BACKEND_CASES = {
     "redis-cluster": lambda request: BackendCase(request.getfixturevalue("redis_cluster_url")),
     "consul": lambda request: BackendCase(
         request.getfixturevalue("consul_url"),
+        short_ttl=request.getfixturevalue("consul_server").short_ttl,
+    ),
+    # The Consul store speaking HashiCorp's api.Lock / api.Semaphore (?recipe=api).
+    "consul-recipe": lambda request: BackendCase(
+        request.getfixturevalue("consul_url") + "&recipe=api",
         short_ttl=request.getfixturevalue("consul_server").short_ttl,
     ),
 }

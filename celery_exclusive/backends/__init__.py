@@ -22,10 +22,12 @@ from typing import Optional
 from urllib.parse import urlsplit
 
 from ..errors import ConfigurationError
-from .base import Backend, Lease, LeaseInfo
+from .base import Backend, Capabilities, FinalWrite, Lease, LeaseInfo, check_capabilities
 
 __all__ = [
     "Backend",
+    "Capabilities",
+    "FinalWrite",
     "Lease",
     "LeaseInfo",
     "ENTRY_POINT_GROUP",
@@ -103,4 +105,6 @@ def _load(url: str) -> Backend:
             f"exclusive_backend_url uses {scheme}:// but its client is not installed "
             f"({exc}); install it with: pip install 'celery-exclusive[{extra}]'."
         ) from None
-    return getattr(module, class_name)(url)
+    store_class = getattr(module, class_name)
+    check_capabilities(store_class)
+    return store_class(url)

@@ -13,7 +13,7 @@ one for a mutex), and someone not in the line only if the line is shorter than t
 a grant takes its claimant out of the line in the same atomic step. So when a holder
 releases, nobody can take the key ahead of the first in line, however fast they ask.
 
-The callers keep the rest of the entry (:mod:`celery_exclusive.marks`): each renews
+The callers keep the rest of the entry (:mod:`celery_exclusive.core.marks`): each renews
 its own ``until`` (the store's clock, ``Backend.store_time``) while it waits, and
 drops entries whose ``until`` has passed, so the line of a waiter that died moves on.
 """

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
-from .base import Backend, Lease, LeaseInfo
+from .base import Backend, Capabilities, Lease, LeaseInfo
 from .limits import check_limit
 from .line import LINE, admit, first_in_line
 
@@ -25,6 +25,22 @@ class _Grant:
     expires_at: float
     limit: int
     holder: Mapping[str, Any]
+
+
+#: Values a holder record keeps as they are: JSON would give them back unchanged.
+_PLAIN = frozenset({str, int, float, bool, type(None)})
+
+
+def _stored(holder: Optional[Mapping[str, Any]]) -> dict[str, Any]:
+    """The holder record as a store that keeps JSON gives it back: a copy the caller
+    cannot change afterwards, and an error now for what JSON cannot hold. A record of
+    plain values (what the library writes) is copied without the round trip."""
+    record = dict(holder or {})
+    plain = _PLAIN
+    for name, value in record.items():
+        if type(name) is not str or type(value) not in plain:
+            return json.loads(json.dumps(record))
+    return record
 
 
 class _Store:
@@ -76,9 +92,7 @@ _stores_lock = threading.Lock()
 
 
 class MemoryBackend(Backend):
-    pushes_wakeups = True
-    stores_records = True
-    stores_marks = True
+    capabilities = Capabilities(limits=True, records=True, marks=True)
 
     def __init__(self, url: str) -> None:
         super().__init__(url)
@@ -99,7 +113,8 @@ class MemoryBackend(Backend):
         with store.changed:
             now = time.monotonic()
             grants = store.live(key, now)
-            check_limit(key, limit, {g.limit for g in grants.values()})
+            if grants:
+                check_limit(key, limit, {g.limit for g in grants.values()})
             line = store.mark((key, LINE), now)
             admitted, rest = admit(line, claimant, limit - len(grants), store.clock())
             if not admitted:
@@ -108,7 +123,7 @@ class MemoryBackend(Backend):
                 store.set_mark((key, LINE), rest, store.marks[(key, LINE)][1])
             token = store.fences[key] = store.fences.get(key, 0) + 1
             store.grants.setdefault(key, {})[owner] = _Grant(
-                token, time.monotonic() + ttl, limit, json.loads(json.dumps(dict(holder or {})))
+                token, time.monotonic() + ttl, limit, _stored(holder)
             )
             return Lease(key, owner, token, ttl, limit)
 

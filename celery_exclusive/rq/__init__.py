@@ -19,11 +19,16 @@ job class::
   the duplicate policies in RQ's terms, and frees a dead horse's lease from the
   worker process.
 
-The README's RQ section says what each duplicate policy does to a job's status.
+The docs' RQ page (how-to/rq.md) says what each duplicate policy does to a job's status.
 """
 
 from .calls import current_lease, exclusive
+from .checks import check_environment
 from .job import META_KEY, ExclusiveJob
 from .options import ENV_PREFIX
+
+# A worker started with --job-class celery_exclusive.rq.ExclusiveJob, and every process
+# that enqueues a marked function, imports this: a misspelt EXCLUSIVE_* stops it here.
+check_environment()
 
 __all__ = ["ENV_PREFIX", "META_KEY", "ExclusiveJob", "current_lease", "exclusive"]

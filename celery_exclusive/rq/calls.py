@@ -30,16 +30,24 @@ import inspect
 import logging
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
-from typing import Any, Callable, Optional, TypeVar, Union
+from typing import Any, Callable, Optional, TypeVar, Union, overload
 
 from rq import get_current_job
 
-from .. import policies, terminate
 from ..backends import backend_for_url
-from ..config import Settings
-from ..errors import BackendUnavailable, ConfigurationError, DuplicateSkipped
-from ..keys import build_key, check_key_spec
-from ..lease import HeldLease, UnlockedLease
+from ..core.config import (
+    OnBackendError,
+    OnDuplicate,
+    OnLeaseLost,
+    RerunArgs,
+    unanswered_in_process,
+)
+from ..core.keys import KeySpec, build_key, check_key_spec
+from ..core.lease import HeldLease, UnlockedLease
+from ..core.lock import ExclusiveLock
+from ..engine import attempt, outcomes
+from ..errors import ConfigurationError, DuplicateSkipped
+from . import checks
 from . import options as rq_options
 
 logger = logging.getLogger("celery_exclusive")
@@ -62,13 +70,46 @@ class _Admission:
 
 
 _admission: ContextVar[Optional[_Admission]] = ContextVar("exclusive_rq_admission", default=None)
-_lease: ContextVar[Optional[AnyLease]] = ContextVar("exclusive_rq_lease", default=None)
+
+#: A function called directly runs in its caller's process: no queue to go back to, and
+#: no process of ours to stop (see :class:`celery_exclusive.engine.attempt.Host`).
+DIRECT = attempt.Host(can_requeue=False, noun="job", setting_prefix="")
+
+
+@overload
+def exclusive(function: F, /) -> F: ...
+
+
+@overload
+def exclusive(
+    *,
+    backend_url: Optional[str] = None,
+    key: KeySpec = None,
+    key_prefix: Optional[str] = None,
+    lease_ttl: Optional[float] = None,
+    limit: Optional[int] = None,
+    on_duplicate: Optional[OnDuplicate] = None,
+    wait_timeout: Optional[float] = None,
+    on_backend_error: Optional[OnBackendError] = None,
+    on_lease_lost: Optional[OnLeaseLost] = None,
+    terminate_grace: Optional[float] = None,
+    requeue_lost: Optional[bool] = None,
+    requeue_delay: Optional[float] = None,
+    requeue_max_delay: Optional[float] = None,
+    requeue_max_retries: Optional[int] = None,
+    rerun_args: Optional[RerunArgs] = None,
+    priority: Optional[bool] = None,
+) -> Callable[[F], F]: ...
 
 
 def exclusive(function: Optional[F] = None, /, **options: Any) -> Union[F, Callable[[F], F]]:
     """Mark an RQ job function as exclusive; ``ExclusiveJob`` runs it under its lease.
 
-    The options are the settings of :class:`celery_exclusive.config.Settings` (the
+    ``@exclusive`` bare, or ``@exclusive(<options>)``: either way the function keeps its
+    own type. The options (the second overload, for type checkers) are the settings
+    RQ uses, as ``options.OPTION_TYPES`` lists them; a test keeps the two the same.
+
+    The options are the settings of :class:`celery_exclusive.core.config.Settings` (the
     signature below lists them); left out, each comes from ``EXCLUSIVE_<NAME>`` in the
     environment, then the default. They and the key are checked here, when the module
     is imported, so a mistake stops the enqueuing process and the worker at start
@@ -79,7 +120,7 @@ def exclusive(function: Optional[F] = None, /, **options: Any) -> Union[F, Calla
         name = f"{target.__module__}.{target.__qualname__}"
         if exclusive_options(target) is not None:
             raise ConfigurationError(f"{name} is marked @exclusive twice.")
-        given = rq_options.check_options(name, options)
+        given = checks.check_options(name, options)
         # The job's own Redis URL is only known in the worker; any Redis URL checks the rest.
         settings = rq_options.resolve(name, given, connection_url="redis://localhost")
         check_key_spec(name, target, settings.key)
@@ -101,43 +142,10 @@ def current_lease() -> Optional[AnyLease]:
     ``lost``, ``ensure_held()``.
 
     Never None inside a marked function: an
-    :class:`~celery_exclusive.lease.UnlockedLease` when it runs without one (store
+    :class:`~celery_exclusive.core.lease.UnlockedLease` when it runs without one (store
     down, ``on_backend_error="run"``). None outside.
     """
-    return _lease.get()
-
-
-@contextlib.contextmanager
-def holding(
-    lease: AnyLease, settings: Settings, kill_process: Optional[bool] = None
-) -> Iterator[AnyLease]:
-    """Run the body under ``lease`` (``current_lease()`` inside) and release it on
-    every exit.
-
-    With ``on_lease_lost="terminate"``, a body whose lease is lost is stopped at once
-    (:func:`celery_exclusive.terminate.stop_on_loss`), and its process killed after
-    ``terminate_grace`` if ``kill_process``: a work horse, which the worker replaces.
-    ``kill_process=None`` stops nothing: the body runs in a process that is not the
-    worker's (a direct call, a synchronous queue), whose signals are not ours to take.
-    Under ``terminate`` and ``abort`` a body whose lease was lost fails with
-    ``LeaseLost`` when it returns: its result is not to be trusted.
-    """
-    stop = (
-        terminate.stop_on_loss(lease, settings.terminate_grace, kill_process)
-        if settings.on_lease_lost == "terminate"
-        and kill_process is not None
-        and isinstance(lease, HeldLease)
-        else contextlib.nullcontext()
-    )
-    token = _lease.set(lease)
-    try:
-        with stop:
-            yield lease
-    finally:
-        _lease.reset(token)
-        lease.release()
-    if lease.lost and settings.on_lease_lost != "log":
-        lease.ensure_held()
+    return attempt.current_lease()
 
 
 @contextlib.contextmanager
@@ -166,7 +174,21 @@ def _guard(target: F, name: str, options: Mapping[str, Any]) -> F:
                 return target(*args, **kwargs)
 
     guard.__exclusive__ = dict(options)  # type: ignore[attr-defined]
+    guard.exclusive_lock = functools.partial(_lock_of, target, name, options)  # type: ignore[attr-defined]
     return guard  # type: ignore[return-value]
+
+
+def _lock_of(
+    target: Callable[..., Any], name: str, options: Mapping[str, Any], *args: Any, **kwargs: Any
+) -> ExclusiveLock:
+    """``function.exclusive_lock(*args, **kwargs)``: the lock of the job
+    ``queue.enqueue(function, *args, **kwargs)``, the lease its call takes, for a ``with``
+    or ``async with`` block of any code. Outside a job its store is ``backend_url`` (or
+    ``EXCLUSIVE_BACKEND_URL``), as for a direct call."""
+    job = get_current_job()
+    settings = rq_options.settings_for(name, options, None if job is None else job.connection)
+    key = settings.key_prefix + build_key(name, target, settings.key, args, kwargs)
+    return ExclusiveLock(key, settings.backend_url, settings.lease_ttl, settings.limit, name=name)
 
 
 @contextlib.contextmanager
@@ -206,41 +228,34 @@ def _own_lease(
     kwargs: dict,
     job: Any,
 ) -> Iterator[None]:
-    """A direct call takes its lease itself, as a Celery task called directly does."""
+    """A direct call takes its lease itself, as a Celery task called directly does:
+    with no queue to go back to, a duplicate under any policy but ``skip`` waits."""
     settings = rq_options.settings_for(name, options, None if job is None else job.connection)
     key = settings.key_prefix + build_key(name, target, settings.key, args, kwargs)
-    backend = backend_for_url(settings.backend_url)
-    try:
-        outcome = policies.claim(settings, backend, key, name, None)
-    except BackendUnavailable as exc:
-        message = f"{name} (called directly): cannot take the lease on {key!r}: {exc}"
-        if settings.on_backend_error != "run":
-            raise BackendUnavailable(message, exc.url) from None
-        logger.warning("%s -- running WITHOUT a lease (on_backend_error='run')", message)
-        with holding(UnlockedLease(key, name, None, str(exc)), settings):
-            yield
-        return
-    if isinstance(outcome, policies.Run):
-        lease = outcome.lease
-    elif isinstance(outcome, policies.Skip):
+    the_call = attempt.Call(name, None, key, settings, backend_for_url(settings.backend_url))
+    direct = attempt.Attempt(the_call, DIRECT)
+    granted = direct.claim()
+    if isinstance(granted, outcomes.Unanswered):
+        call = f"{name}, called directly,"
+        memory = "@exclusive(backend_url='memory://') or EXCLUSIVE_BACKEND_URL=memory://"
+        raise unanswered_in_process(call, key, granted.error, memory) from None
+    if isinstance(granted, outcomes.Skipped):
+        holder = granted.holder_task_id
         raise DuplicateSkipped(
             f"{name} (called directly) was skipped: its key {key!r} is held by "
-            f"{'job ' + outcome.holder_task_id if outcome.holder_task_id else 'another call'}.",
+            f"{'job ' + holder if holder else granted.holder or 'another call'}.",
             key,
-            outcome.holder_task_id,
+            holder,
         )
-    else:
-        # Direct calls have no queue to go back to: they wait instead.
-        found = policies.wait_for(settings, backend, key, name, None)
-        if found is None:
-            raise DuplicateSkipped(
-                f"{name} (called directly) could not run: its key {key!r} stayed held for "
-                f"wait_timeout={settings.wait_timeout:g}s.",
-                key,
-                None,
-            )
-        lease = found
-    with holding(lease, settings):
+    if isinstance(granted, outcomes.Waited):
+        raise DuplicateSkipped(
+            f"{name} (called directly) could not run: its key {key!r} stayed held for "
+            f"wait_timeout={settings.wait_timeout:g}s.",
+            key,
+            None,
+        )
+    assert isinstance(granted, (attempt.Granted, attempt.Unlocked)), granted
+    with direct.holding(granted.lease):
         yield
 
 

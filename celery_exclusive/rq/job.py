@@ -18,29 +18,34 @@ on both major versions.
   statistics, which RQ does for every returned ``Retry``.
 - **The horse died** (SIGKILL, OOM, ``send_stop_job_command``): the worker process,
   which sees it, frees the lease the horse held at once (owner-checked, only once
-  the horse is gone) instead of leaving it to expire after ``lease_ttl``.
+  the horse is gone) instead of leaving it to expire after ``lease_ttl``. A horse killed
+  because its body did not stop after losing its lease (it leaves a kill note,
+  :mod:`celery_exclusive.core.kill_notes`) has its job put back on the queue, under
+  ``requeue_lost``, as a body that stopped has.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
 import time
-from typing import Any, Optional, Union
+from datetime import datetime, timedelta, timezone
+from typing import Any, Optional
 
 from rq.job import Job, JobStatus, Retry
+from rq.queue import Queue
 from rq.registry import CanceledJobRegistry
 from rq.scheduler import RQScheduler
 from rq.worker import Worker
 
-from .. import config, policies, reaper
-from ..backends import Backend, backend_for_url
+from ..backends import backend_for_url
+from ..core import config, kill_notes, reaper
+from ..core.keys import build_key
+from ..core.lease import HeldLease
+from ..engine import attempt, outcomes
 from ..errors import BackendUnavailable, ExclusiveKeyError
-from ..keys import build_key
-from ..lease import HeldLease, UnlockedLease
-from .calls import admitted, exclusive_options, holding
+from .calls import admitted, exclusive_options
 from .options import job_timeout, settings_for, within_timeout
 
 logger = logging.getLogger("celery_exclusive")
@@ -54,6 +59,13 @@ UNRUN = JobStatus.CANCELED
 REQUEUED = "requeued"
 #: The worker name RQ gives a job run by a synchronous queue: it has no queue to go back to.
 SYNCHRONOUS = "sync"
+
+#: How a requeue is logged, by its cause.
+_REQUEUED_AS = {
+    "held": "duplicate requeued",
+    "unanswered": "requeued until the lease store answers",
+    "lost": "requeued after its lease was lost",
+}
 
 
 class ExclusiveJob(Job):
@@ -70,6 +82,12 @@ class ExclusiveJob(Job):
     #: How this attempt ends, for the worker's handling after ``perform()``: UNRUN,
     #: REQUEUED, or None (as RQ decides).
     _exclusive_ending: Optional[str] = None
+    #: The job's own arguments as the attempt was started with them.
+    _exclusive_arguments: tuple[tuple, dict] = ((), {})
+    #: In the worker process: whether the horse's kill note was looked for, and the
+    #: requeue it earned (see :meth:`_rerun_after_kill`).
+    _exclusive_kill_read = False
+    _exclusive_kill_rerun: Optional[outcomes.Requeue] = None
 
     def perform(self) -> Any:
         self._exclusive_performed = True
@@ -84,42 +102,77 @@ class ExclusiveJob(Job):
     def _perform_exclusive(self, options: dict[str, Any]) -> Any:
         settings = settings_for(self.func_name, options, self.connection)
         settings = within_timeout(settings, self.timeout)
-        if settings.on_duplicate == "skip" and self._retrying():
-            # A retry of an attempt that ran (and failed, or was killed) is not a
-            # duplicate: it meets a holder only because it comes back later.
-            settings = dataclasses.replace(settings, on_duplicate="requeue")
         key = self._exclusive_key(settings)
-        backend = backend_for_url(settings.backend_url)
-        try:
-            outcome = policies.claim(
-                settings,
-                backend,
-                key,
-                self.func_name,
-                self.id,
-                requeues=self._exclusive_requeues(),
-                arguments=policies.encode_call(self.func_name, self.args, self.kwargs)
-                if settings.on_duplicate == "rerun"
-                else None,
-            )
-        except BackendUnavailable as exc:
-            return self._without_store(settings, backend, key, exc)
-        if isinstance(outcome, policies.Skip):
-            return self._skip(key, outcome.holder_task_id)
-        if isinstance(outcome, policies.Coalesce):
+        self._exclusive_arguments = (tuple(self.args), dict(self.kwargs))
+        the_call = attempt.Call(
+            self.func_name,
+            self.id,
+            key,
+            settings,
+            backend_for_url(settings.backend_url),
+            *self._exclusive_arguments,
+            requeues=self._exclusive_requeues(),
+            # A retry of an attempt that ran (and failed, was killed or lost its lease) is
+            # no duplicate: it meets a holder only because it comes back later.
+            resumed=self._retrying(),
+        )
+        synchronous = self._synchronous
+        host = attempt.Host(
+            # A synchronous queue has no queue to go back to: it waits instead.
+            can_requeue=not synchronous,
+            stop_process=None if synchronous else self._in_work_horse(),
+            noun="job",
+            setting_prefix="",
+        )
+        return self._carry_out(settings, attempt.run(the_call, host, self._run_body))
+
+    def _run_body(self, args: tuple, kwargs: dict) -> Any:
+        """The body, under the lease the engine took: the function, let through once."""
+        if args is not self._exclusive_arguments[0]:
+            # The pending rerun runs with the latest duplicate's arguments (saved with
+            # the job, so its record says what it ran with).
+            self.args, self.kwargs = list(args), kwargs
+        lease = attempt.current_lease()
+        if isinstance(lease, HeldLease):
+            self._exclusive_record("ran", lease.key, fencing_token=lease.fencing_token)
+        else:
+            self._exclusive_record("ran_without_lease", lease.key, reason=_why(lease))
+        with admitted(self.func):
+            return super().perform()
+
+    def _carry_out(self, settings: config.Settings, outcome: outcomes.Outcome) -> Any:
+        """The engine's outcome, in RQ's terms (see the module docstring)."""
+        if isinstance(outcome, outcomes.Ran):
+            return outcome.result
+        key = outcome.key
+        if isinstance(outcome, outcomes.Skipped):
+            return self._skip(key, outcome.holder_task_id or outcome.holder)
+        if isinstance(outcome, outcomes.Coalesced):
             logger.info(
                 "duplicate coalesced key=%s job_id=%s rerun=%s", key, self.id, outcome.rerun_task_id
             )
             return self._end_unrun("coalesced", key, rerun=outcome.rerun_task_id)
-        if isinstance(outcome, policies.Requeue):
-            holder = outcome.holder_task_id
-            reason = f"held by job {holder}" if holder else "held by another job"
-            return self._requeue(settings, backend, key, outcome.countdown, holder, reason)
-        if outcome.arguments:
-            # The pending rerun runs with the latest duplicate's arguments (saved with
-            # the job, so its record says what it ran with).
-            self.args, self.kwargs = policies.decode_call(outcome.arguments)
-        return self._run_under(settings, outcome.lease)
+        if isinstance(outcome, outcomes.Requeue):
+            return self._requeue(settings, outcome)
+        if isinstance(outcome, outcomes.GaveUp):
+            logger.warning(
+                "%s gave up key=%s job_id=%s after %d requeues",
+                "duplicate" if outcome.cause == "held" else "job",
+                key,
+                self.id,
+                outcome.requeues,
+            )
+            reason = f"gave up after {outcome.requeues} requeues: {outcome.reason}"
+            return self._skip(key, outcome.holder_task_id, reason=reason)
+        if isinstance(outcome, outcomes.Waited):
+            waited = (
+                f"{outcome.reason}; waited wait_timeout={outcome.wait_timeout:g}s, synchronously"
+            )
+            return self._skip(key, outcome.holder_task_id, reason=waited)
+        if isinstance(outcome, outcomes.Unanswered):
+            message = f"{self._exclusive_label}: cannot take the lease on {key!r}: {outcome.error}"
+            raise BackendUnavailable(message, outcome.error.url) from None
+        raise TypeError(f"unknown outcome {outcome!r}")  # pragma: no cover - a closed set
 
     # --- how the worker ends the attempt ------------------------------------------------
 
@@ -134,10 +187,20 @@ class ExclusiveJob(Job):
         elif status in (JobStatus.FAILED, JobStatus.STOPPED) and not self._exclusive_performed:
             self._free_dead_horse()
 
+    @property
+    def should_retry(self) -> bool:
+        """RQ's "does the job go again?" after a failed attempt; yes, too, when the work
+        horse was killed because the job's lease was lost (see :meth:`retry`)."""
+        return self._rerun_after_kill() is not None or super().should_retry
+
     def retry(self, queue: Any, pipeline: Any) -> None:
+        rerun = self._rerun_after_kill()
+        if rerun is not None:
+            self._send_killed_again(queue, pipeline, rerun)
+            return
         super().retry(queue, pipeline)
         if not self._exclusive_performed:
-            self._free_dead_horse()  # a killed horse whose job has retries left
+            self._free_dead_horse(comes_back=True)  # a killed horse whose job has retries left
 
     @property
     def success_callback(self) -> Any:
@@ -211,13 +274,6 @@ class ExclusiveJob(Job):
         self.save_meta()
         return dict(record)
 
-    def _run_under(self, settings: config.Settings, lease: Union[HeldLease, UnlockedLease]) -> Any:
-        if isinstance(lease, HeldLease):
-            self._exclusive_record("ran", lease.key, fencing_token=lease.fencing_token)
-        kill_process = None if self._synchronous else self._in_work_horse()
-        with holding(lease, settings, kill_process), admitted(self.func):
-            return super().perform()
-
     def _skip(self, key: str, holder: Optional[str], **details: Any) -> dict[str, Any]:
         logger.info(
             "duplicate skipped key=%s job_id=%s holder=%s", key, self.id, holder or "unknown"
@@ -233,33 +289,12 @@ class ExclusiveJob(Job):
         self.set_status(UNRUN)
         return record
 
-    def _requeue(
-        self,
-        settings: config.Settings,
-        backend: Backend,
-        key: str,
-        countdown: float,
-        holder: Optional[str],
-        reason: str,
-    ) -> Any:
-        """Have RQ run this same job again after ``countdown`` seconds.
+    def _requeue(self, settings: config.Settings, outcome: outcomes.Requeue) -> Any:
+        """Have RQ run this same job again after the outcome's countdown.
 
         Counted in the meta, not in RQ's retries: those belong to the job's own errors.
         """
-        requeues = self._exclusive_requeues()
-        limit = settings.requeue_max_retries
-        if limit is not None and requeues >= limit:
-            logger.warning(
-                "duplicate gave up key=%s job_id=%s after %d requeues", key, self.id, requeues
-            )
-            return self._skip(key, holder, reason=f"gave up after {requeues} requeues: {reason}")
-        if self._synchronous:
-            # A synchronous queue has no queue to go back to: wait instead.
-            lease = policies.wait_for(settings, backend, key, self.func_name, self.id)
-            if lease is not None:
-                return self._run_under(settings, lease)
-            waited = f"{reason}; waited wait_timeout={settings.wait_timeout:g}s, synchronously"
-            return self._skip(key, holder, reason=waited)
+        key, countdown = outcome.key, outcome.countdown
         interval = max(1, math.ceil(countdown))  # RQ schedules whole seconds; 0 means "now"
         scheduled = self._scheduler_runs()
         if not scheduled:
@@ -269,19 +304,35 @@ class ExclusiveJob(Job):
             interval = 0
             time.sleep(min(countdown, job_timeout(self.timeout) / 2))
         self._exclusive_record(
-            "requeued", key, holder=holder, reason=reason, requeues=requeues + 1, delay=countdown
+            "requeued",
+            key,
+            holder=outcome.holder_task_id,
+            reason=outcome.reason,
+            requeues=outcome.requeues,
+            delay=countdown,
         )
         logger.info(
-            "duplicate requeued key=%s job_id=%s in %.1fs%s: %s",
+            "%s key=%s job_id=%s in %.1fs%s: %s",
+            _REQUEUED_AS[outcome.cause],
             key,
             self.id,
             countdown,
             "" if scheduled else " (waited out here: no scheduler runs for the queue)",
-            reason,
+            outcome.reason,
         )
         self._exclusive_ending = REQUEUED
+        self._resume_with(outcome)
         # max is always one more than RQ's count, so RQ never fails the job for it.
         return Retry(max=(self.number_of_retries or 0) + 1, interval=interval)
+
+    def _resume_with(self, outcome: outcomes.Requeue) -> None:
+        """A job stopped while it ran as the pending rerun of its key ran with the
+        newest duplicate's arguments: it goes again with them (RQ saves the job's
+        arguments as it puts it back on the queue or schedules it)."""
+        if outcome.args is not None:
+            # RQ rebuilds the job's data from these and the parts it read already
+            # (the function, read by now on every path that gets here).
+            self.args, self.kwargs = list(outcome.args), dict(outcome.kwargs or {})
 
     def _uncount_failure(self, pipeline: Any) -> None:
         """RQ counts every returned ``Retry`` as a failed job in the worker's
@@ -294,25 +345,68 @@ class ExclusiveJob(Job):
     def _scheduler_runs(self) -> bool:
         return bool(self.connection.exists(RQScheduler.get_locking_key(self.origin)))
 
-    def _without_store(
-        self, settings: config.Settings, backend: Backend, key: str, exc: BackendUnavailable
-    ) -> Any:
-        message = f"{self._exclusive_label}: cannot take the lease on {key!r}: {exc}"
-        if settings.on_backend_error == "run":
-            logger.warning("%s -- running WITHOUT a lease (on_backend_error='run')", message)
-            self._exclusive_record("ran_without_lease", key, reason=str(exc))
-            return self._run_under(settings, UnlockedLease(key, self.func_name, self.id, str(exc)))
-        if self._synchronous:
-            raise BackendUnavailable(message, exc.url) from None
-        logger.warning("%s -- requeued (on_backend_error='requeue')", message)
-        delay = policies.requeue_delay(settings, self._exclusive_requeues())
-        return self._requeue(settings, backend, key, delay, None, "the lease store did not answer")
-
     # --- in the worker process, which watches the horse ------------------------------------
 
-    def _free_dead_horse(self) -> None:
+    def _rerun_after_kill(self) -> Optional[outcomes.Requeue]:
+        """In the worker process: the requeue owed to this job if its horse was killed
+        because its body did not stop after losing its lease (the horse left a kill
+        note), or None. Decided once per attempt: the note is taken as it is read."""
+        if self._exclusive_performed:
+            return None
+        if not self._exclusive_kill_read:
+            self._exclusive_kill_read = True
+            try:
+                options = exclusive_options(self.func)
+                note = None if options is None else kill_notes.take_kill_note(self.id)
+                if options is not None and note is not None:
+                    settings = settings_for(self.func_name, options, self.connection)
+                    key = self._exclusive_key(settings)
+                    requeues = self._exclusive_requeues()
+                    self._exclusive_kill_rerun = attempt.rerun_of_killed(
+                        settings, key, requeues, note.arguments
+                    )
+            except Exception as exc:  # never in the way of RQ's own failure handling
+                logger.error(
+                    "could not send job %s again after its horse was killed: %s", self.id, exc
+                )
+        return self._exclusive_kill_rerun
+
+    def _send_killed_again(self, queue: Any, pipeline: Any, rerun: outcomes.Requeue) -> None:
+        """Put the job back on its queue (after the requeue's countdown, when a scheduler
+        runs), as a run that resumes: it takes a fresh lease under its duplicate policy,
+        and has the arguments of the pending rerun the killed horse ran, if it ran one."""
+        self._free_dead_horse(comes_back=True)
+        self._resume_with(rerun)
+        self._exclusive_record(
+            "requeued", rerun.key, reason=rerun.reason, requeues=rerun.requeues, retry=True
+        )
+        logger.warning(
+            "%s key=%s job_id=%s: %s", _REQUEUED_AS[rerun.cause], rerun.key, self.id, rerun.reason
+        )
+        self._exclusive_ending = REQUEUED
+        if self._scheduler_runs():
+            interval = max(1, math.ceil(rerun.countdown))
+            self.set_status(JobStatus.SCHEDULED)
+            queue.schedule_job(self, now() + timedelta(seconds=interval), pipeline=pipeline)
+        else:
+            queue.enqueue_job(self, pipeline=pipeline)
+
+    def _send_owed_rerun(self, args: tuple, kwargs: dict) -> None:
+        """This job died as the pending rerun of its key: the duplicates coalesced into
+        it are owed a run, which a new job of the same function does."""
+        queue = Queue(self.origin, connection=self.connection, job_class=type(self))
+        job = queue.enqueue_call(self.func_name, args=args, kwargs=kwargs, timeout=self.timeout)
+        logger.warning(
+            "pending rerun job %s died; its run goes to job %s (its duplicates are owed it)",
+            self.id,
+            job.id,
+        )
+
+    def _free_dead_horse(self, comes_back: bool = False) -> None:
         """The worker process saw this job's attempt end without the horse ending it
-        (killed, stopped, out of memory): free the lease the horse held, now."""
+        (killed, stopped, out of memory): free the lease the horse held, now; and unless
+        the job ``comes_back`` (RQ retries it), hand on the run it owed as a pending
+        rerun."""
         try:
             options = exclusive_options(self.func)
             if options is None:
@@ -323,5 +417,17 @@ class ExclusiveJob(Job):
             for lease, pid in reaper.held_here(backend, key, self.id, settings.limit):
                 # The worker has waited for its horse: a process still running is not it.
                 reaper.release_when_gone(backend, lease, pid, self.id, patience=0)
+            owed = None if comes_back else attempt.owed_rerun(backend, key, self.id)
+            if owed is not None:
+                self._send_owed_rerun(*owed)
         except Exception as exc:  # never in the way of RQ's own failure handling
             logger.warning("could not free the lease of lost job %s: %s", self.id, exc)
+
+
+def now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def _why(lease: Any) -> str:
+    """Why a call runs without a lease (the store's error), for its record."""
+    return str(getattr(lease, "reason", ""))

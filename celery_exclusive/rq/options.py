@@ -1,6 +1,6 @@
 """The settings of an ``@exclusive`` RQ job function, in RQ's own words.
 
-Every setting ``<name>`` of :class:`celery_exclusive.config.Settings` is, for an RQ
+Every setting ``<name>`` of :class:`celery_exclusive.core.config.Settings` is, for an RQ
 job function, the decorator argument ``<name>``, else the environment variable
 ``EXCLUSIVE_<NAME>`` of the process, else the package default. The list of names is
 the dataclass's, read here once: nothing re-lists it. Errors name a setting the way
@@ -20,7 +20,7 @@ from urllib.parse import quote
 import redis
 from rq.queue import Queue
 
-from .. import config
+from ..core import config
 from ..errors import ConfigurationError
 
 #: Environment variables ``EXCLUSIVE_<NAME>`` supply settings no decorator gives.
@@ -28,7 +28,7 @@ ENV_PREFIX = "EXCLUSIVE_"
 
 #: Settings that act in Celery's ``apply_async``, which an RQ enqueue never goes
 #: through (RQ's own ``job_id`` + ``unique=True`` refuses a second enqueue), and
-#: ``skip_state``: a skipped RQ job always finishes, with a result that says so.
+#: ``skip_state``: a skipped RQ job always ends ``canceled``, with a record of the skip.
 CELERY_ONLY = ("scope", "enqueue_ttl", "skip_state")
 
 #: Each decorator option and its type, from the one list of settings.
@@ -50,8 +50,8 @@ def check_options(owner: str, options: Mapping[str, Any]) -> dict[str, Any]:
         if name == "skip_state":
             raise ConfigurationError(
                 f"{owner}: @exclusive(skip_state=...) applies to Celery tasks only: a skipped "
-                "RQ job always finishes (status finished) with {'outcome': 'skipped', ...} as "
-                "its result, and never counts as failed."
+                "RQ job always ends canceled (RQ's status for a job that did not run), with "
+                "{'outcome': 'skipped', ...} as its result, and never counts as failed."
             )
         if name in CELERY_ONLY:
             raise ConfigurationError(

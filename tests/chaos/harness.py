@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import redis
 
 from celery_exclusive import BackendUnavailable, backend_for_url
-from tests.servers import RedisServer, kill_tree
-from tests.workers import Worker, runs_by_key
+from tests.support.servers import RedisServer, kill_tree
+from tests.support.workers import Worker, runs_by_key
 
 KEYS = ("alpha", "beta", "gamma")
 
@@ -37,6 +37,10 @@ class Chaos:
     max_pause: float = 1.0
     events: list[str] = field(default_factory=list)
     submitted: set[int] = field(default_factory=set)
+    #: Task id of each submitted job (every copy of a job has the same one).
+    task_ids: dict[int, str] = field(default_factory=dict)
+    #: Every worker process started, the replacements of killed ones included.
+    started_workers: list[Worker] = field(default_factory=list)
     #: (killed at, pids of the killed worker's processes)
     kills: list[tuple[float, set[int]]] = field(default_factory=list)
     outliving: list[str] = field(default_factory=list)
@@ -65,6 +69,8 @@ class Chaos:
         from tests.chaos import chaos_app
 
         chaos_app.app.conf.broker_url = self.env["CHAOS_BROKER"]
+        # The first copy of each job is sent from here: note it in this run's ledger.
+        chaos_app.app.conf.chaos_ledger = self.env["CHAOS_LEDGER"]
         self.task = chaos_app.work
         self.pool = [self._worker(i) for i in range(self.workers)]
         drained = False
@@ -84,8 +90,9 @@ class Chaos:
                     f"not drained: queue={broker.llen('celery')} unacked={broker.hlen('unacked')} "
                     f"unacked_index={broker.zcard('unacked_index')} "
                     f"unacked_mutex={broker.exists('unacked_mutex')}; worker logs kept: "
-                    + " ".join(str(w.log) for w in self.pool)
+                    + " ".join(str(w.log) for w in self.started_workers)
                 )
+                self._describe(self.submitted - done)
             return {
                 "entries": entries,
                 "missing": sorted(self.submitted - done),
@@ -99,20 +106,24 @@ class Chaos:
                 with contextlib.suppress(Exception):
                     kill_tree(w.process, signal.SIGCONT)
                     w.stop(signal.SIGKILL, timeout=5)
-                    if drained:
-                        w.log.unlink()
+            if drained:
+                for w in self.started_workers:
+                    w.log.unlink(missing_ok=True)
             base.cleanup()
             store.cleanup()
 
     def _worker(self, i: int) -> Worker:
-        return Worker("tests.chaos.chaos_app", self.env, concurrency=2, name=f"chaos{i}")
+        worker = Worker("tests.chaos.chaos_app", self.env, concurrency=2, name=f"chaos{i}")
+        self.started_workers.append(worker)
+        return worker
 
     def _submit(self, count: int) -> None:
         for _ in range(count):
             job = len(self.submitted)
             self.submitted.add(job)
             key = self.random.choice(KEYS)
-            self.task.apply_async((key, job, self.random.uniform(0.02, 0.25)))
+            result = self.task.apply_async((key, job, self.random.uniform(0.02, 0.25)))
+            self.task_ids[job] = result.id
 
     def _inject_faults(self) -> None:
         deadline = self.started + self.seconds
@@ -186,6 +197,21 @@ class Chaos:
                     )
         # Checked long enough after the kill: stop watching it.
         self.kills = [(at, p) for at, p in self.kills if now - at < self.ttl * 3]
+
+    def _describe(self, missing: set[int]) -> None:
+        """Log, for each missing job, its task id and what the workers' logs say of it."""
+        published = self.ledger.hgetall("published")
+        started = self.ledger.hgetall("started")
+        for job in sorted(missing):
+            task_id = self.task_ids[job]
+            self.log(
+                f"job {job} ({task_id}) last sent at {published.get(str(job).encode())}, "
+                f"last started at {started.get(str(job).encode())}"
+            )
+            for w in self.started_workers:
+                for line in w.output().splitlines():
+                    if task_id in line:
+                        self.log(f"  {w.log.name}: {line[:300]}")
 
     def _never_started(self, missing: set[int]) -> list[int]:
         """Missing jobs whose last copy (the first, or a requeue) no worker started.

@@ -4,7 +4,9 @@
   what each HTTP answer means;
 - ``kv.py``: where a key's entries live (keys encoded into paths no router rewrites)
   and how transactions are written;
-- ``session.py`` and ``backend.py``: the process's session and the backend protocol.
+- ``session.py`` and ``backend.py``: the process's session and the backend protocol;
+- ``recipes.py``: with ``?recipe=``, Consul's own lock recipes (HashiCorp's api.Lock and
+  api.Semaphore, ``consul lock``, a plain KV acquire) instead of the store's layout.
 
 ``errors.py`` is the one failure translator: every client exception leaves the backend
 as ``BackendUnavailable`` or a named ``ConfigurationError``.

@@ -3,8 +3,9 @@
 URL: ``consul://host:8500[/kv/folder]`` or ``consuls://host:8501`` (HTTPS), IPv6 hosts
 in brackets, with the query options ``token``, ``dc``, ``ns``, ``partition``,
 ``behavior=delete|release``, ``lock_delay`` (seconds), ``cacert``, ``client_cert``,
-``client_key`` (``http.py``). Where each key's entries live: ``kv.py``. The session and
-its lock delay: ``session.py``.
+``client_key`` (``http.py``), and ``recipe=api|consul-lock|acquire`` to speak Consul's
+own lock recipes on the key's KV path instead of the store's layout (``recipes.py``).
+Where each key's entries live: ``kv.py``. The session and its lock delay: ``session.py``.
 
 Fencing tokens are ModifyIndex values (Consul's raft index), read back from the
 transaction that grants the lease: they keep increasing when a key is deleted and
@@ -22,18 +23,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import time
 from collections.abc import Mapping
 from typing import Any, Optional
 
 from ...errors import ExclusiveError
-from ..base import Lease, LeaseInfo
+from ..base import Capabilities, Lease, LeaseInfo
 from ..line import LINE, first_in_line
 from .core import CAS_ATTEMPTS, MAX_TXN_OPS, TxnConflict
 from .http import Ambiguous, ConsulError, Unavailable
 from .kv import LOCK, SEM, Entry, op, pack_mark
-from .locks import Locks, _mark_value, _Slots
+from .locks import _mark_value, _Slots
+from .recipes import RecipeLocks
+from .session import ttl_seconds
 
 logger = logging.getLogger("celery_exclusive")
 
@@ -42,12 +44,10 @@ logger = logging.getLogger("celery_exclusive")
 MAX_BLOCK = 3.0
 
 
-class ConsulBackend(Locks):
+class ConsulBackend(RecipeLocks):
     """Leases as Consul locks: see the module's docstring."""
 
-    pushes_wakeups = True
-    stores_records = True
-    stores_marks = True
+    capabilities = Capabilities(limits=True, records=True, marks=True)
 
     # -- wait -----------------------------------------------------------------
 
@@ -55,7 +55,8 @@ class ConsulBackend(Locks):
         """Blocking queries on the key's folder (its keys only, not their values): every
         waiter wakes on a change and goes back to sleep unless a slot is free and it is
         first in line."""
-        self._call(f"waiting on {key!r}", self._wait, key, timeout, claimant)
+        wait = self._recipe_wait if self.recipe else self._wait
+        self._call(f"waiting on {key!r}", wait, key, timeout, claimant)
 
     def _wait(self, key: str, timeout: float, claimant: Optional[str]) -> None:
         deadline = time.monotonic() + timeout
@@ -100,12 +101,22 @@ class ConsulBackend(Locks):
     # -- the CLI's view -------------------------------------------------------
 
     def holders(self, prefix: str = "") -> list[LeaseInfo]:
+        if self.recipe:
+            return [info for key in self._recipe_keys(prefix) for info in self.holders_of(key)]
+
         def read() -> list[LeaseInfo]:
             return self._holders(self._list(self.layout.prefix(prefix)), prefix)
 
         return self._call("listing holders", read)
 
     def holders_of(self, key: str) -> list[LeaseInfo]:
+        if self.recipe:
+
+            def read_recipe() -> list[LeaseInfo]:
+                return self._recipe_holders(key, self._recipe_entries(key))
+
+            return self._call(f"reading the holders of {key!r}", read_recipe)
+
         def read() -> list[LeaseInfo]:
             entries = self._read(self.layout.lock(key), self.layout.sem(key))
             return [info for info in self._holders(entries, key) if info.key == key]
@@ -153,16 +164,24 @@ class ConsulBackend(Locks):
         ttl = (info or {}).get("TTL")
         return _seconds(ttl) if ttl else None
 
+    def renewed_ago(self, info: LeaseInfo) -> Optional[float]:
+        """Unknown: a lease lives as long as its holder's session, and Consul does not say
+        when a session was last renewed (see :meth:`_expires_in`)."""
+        return None
+
     def force_release(self, key: str) -> int:
-        return self._call(f"force-releasing {key!r}", self._force_release, key)
+        force = self._recipe_force_release if self.recipe else self._force_release
+        return self._call(f"force-releasing {key!r}", force, key)
 
     def _force_release(self, key: str) -> int:
         """Delete the key's lock, semaphore and contender entries: whoever held them loses
         them (their renewals report it), and the next grant gets a higher ModifyIndex.
-        Its marks (line, rerun) and records stay."""
+        Its marks (line, rerun) and records stay, and so does any entry another client
+        wrote under the key's folder: only this library's entries are deleted."""
         entries = self._read(self.layout.lock(key), self.layout.sem(key))
         count = sum(1 for info in self._holders(entries, key) if info.key == key)
-        doomed = [op("delete", path) for path in sorted(entries)]
+        mine = [path for path, e in entries.items() if e.is_lease or e.is_semaphore]
+        doomed = [op("delete", path) for path in sorted(mine)]
         for start in range(0, len(doomed), MAX_TXN_OPS):
             self._txn(doomed[start : start + MAX_TXN_OPS])
         state = self._process()
@@ -183,8 +202,8 @@ class ConsulBackend(Locks):
         idempotent)."""
         state = self._process()
         session_id = state.session_id
-        if session_id is None:
-            return False
+        if session_id is None and not (self.recipe and lease.limit > 1):
+            return False  # a recipe's slot holds a session of its own
         if lease.limit == 1:
             with state.lock:
                 if state.held.get(lease.key) != (lease.owner, lease.fencing_token):
@@ -253,6 +272,8 @@ class ConsulBackend(Locks):
         write, so a token without ``key:write`` or ``session:write`` or an agent of the
         wrong datacenter fails here with its named error), plus what only Consul has."""
         warnings = super().check(probe_key)
+        if self.recipe:
+            self._call("tidying the start-up check", self._recipe_check_cleanup, probe_key)
         if self.settings.lock_delay == 0:
             warnings.append(
                 f"{self.safe_url}: lock_delay=0, so when a worker's session is invalidated "
@@ -270,6 +291,8 @@ class ConsulBackend(Locks):
     def close(self) -> None:
         """Delete what this process still holds, then destroy its session: deleted keys
         are free at once, while keys of a destroyed session would wait out its lock delay."""
+        if self.recipe:
+            return self._recipe_close()
         state = self._process()
         with state.lock:
             session_id, state.session_id = state.session_id, None
@@ -292,10 +315,7 @@ class ConsulBackend(Locks):
         self.http.close()
 
 
-def _seconds(duration: str) -> float:
-    """Seconds in a Go duration as Consul prints a session's TTL ("10s", "1m30s")."""
-    units = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-    return sum(float(n) * units[u] for n, u in re.findall(r"([\d.]+)(ns|us|µs|ms|s|m|h)", duration))
+_seconds = ttl_seconds
 
 
 def parse_duration(text: str) -> float:

@@ -1,9 +1,9 @@
 """The plumbing every part of the Consul store shares: one transaction, one read, the
 failure translator around them, and this process's session (``session.py``).
 
-A write whose answer was lost is never guessed at: ``_settled_read`` reads back with
-``?consistent`` while the store is unavailable, and ``_retried`` sends an idempotent
-transaction again.
+A write whose answer was lost is never guessed at (:mod:`..readback`): ``_settled_read``
+reads back with ``?consistent`` while the store is unavailable, and ``_retried`` sends an
+idempotent transaction again.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import time
 from typing import Any, Callable, Optional
 
 from ..base import Backend
+from ..readback import until_answered
 from .errors import translate
 from .http import Ambiguous, ConsulError, ConsulHTTP, Denied, Unavailable, settings_from_url
 from .kv import WRITE_VERBS, Entry, Layout, op
@@ -119,28 +120,21 @@ class ConsulCore(Backend):
     def _settled_read(self, path: str) -> Optional[Entry]:
         """A consistent read of ``path``, retried for SETTLE_BUDGET while the store is
         unavailable."""
-        deadline = time.monotonic() + self.settle_budget
-        while True:
-            try:
-                return self._get(path, consistent=True)
-            except Unavailable:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+        return until_answered(lambda: self._get(path, consistent=True), *self._settling)
 
     def _retried(self, ops: list[dict]) -> bool:
         """An idempotent transaction, sent again while its answer is lost."""
-        deadline = time.monotonic() + self.settle_budget
-        while True:
-            try:
-                self._txn(ops)
-                return True
-            except TxnConflict:
-                return False
-            except Ambiguous:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+        try:
+            until_answered(lambda: self._txn(ops), self.settle_budget, (Ambiguous,))
+        except TxnConflict:
+            return False
+        return True
+
+    @property
+    def _settling(self) -> tuple[float, tuple[type[BaseException], ...]]:
+        """How a lost answer is settled here (:mod:`..readback`): for how long, and
+        which failures mean that Consul did not answer."""
+        return self.settle_budget, (Unavailable,)
 
     # -- the session ----------------------------------------------------------
 

@@ -48,7 +48,11 @@ QUERY_OPTIONS = (
     "cacert",
     "client_cert",
     "client_key",
+    "recipe",
 )
+#: ``?recipe=``: Consul's own lock recipes a store can speak instead of its own layout
+#: (``recipes.py``).
+RECIPES = ("api", "consul-lock", "acquire")
 #: URL option -> the environment variable Consul's own tools read for it.
 ENVIRONMENT = {
     "token": "CONSUL_HTTP_TOKEN",
@@ -78,6 +82,8 @@ class ConsulSettings:
     cacert: Optional[str] = None
     client_cert: Optional[str] = None
     client_key: Optional[str] = None
+    #: One of RECIPES, or None for the store's own layout.
+    recipe: Optional[str] = None
 
     @property
     def base_url(self) -> str:
@@ -117,6 +123,12 @@ def settings_from_url(url: str, environ: Mapping[str, str] = os.environ) -> Cons
         raise ConfigurationError(
             f"exclusive_backend_url has behavior={behavior!r}; use delete (the default) or release."
         )
+    if option["recipe"] is not None and option["recipe"] not in RECIPES:
+        raise ConfigurationError(
+            f"exclusive_backend_url has recipe={option['recipe']!r}; use api (HashiCorp's "
+            "api.Lock and api.Semaphore), consul-lock (the `consul lock` command) or "
+            "acquire (a plain KV acquire), or leave it out for the store's own layout."
+        )
     for name in ("cacert", "client_cert", "client_key"):
         if option[name] and not os.path.isfile(option[name]):
             raise ConfigurationError(
@@ -142,6 +154,7 @@ def settings_from_url(url: str, environ: Mapping[str, str] = os.environ) -> Cons
         cacert=option["cacert"],
         client_cert=option["client_cert"],
         client_key=option["client_key"],
+        recipe=option["recipe"],
     )
 
 

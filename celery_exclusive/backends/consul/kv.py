@@ -122,12 +122,15 @@ class Entry:
     modify_index: int
     session: Optional[str]
     value: bytes
+    flags: int = 0
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> Entry:
         """Consul's JSON of an entry (``Value`` base64; absent for write results)."""
         value = base64.b64decode(raw["Value"]) if raw.get("Value") else b""
-        return cls(raw["Key"], int(raw.get("ModifyIndex") or 0), raw.get("Session") or None, value)
+        session = raw.get("Session") or None
+        flags = int(raw.get("Flags") or 0)
+        return cls(raw["Key"], int(raw.get("ModifyIndex") or 0), session, value, flags)
 
     def record(self) -> dict[str, Any]:
         try:
@@ -136,6 +139,18 @@ class Entry:
             return {}
         return record if isinstance(record, dict) else {}
 
+    @property
+    def is_lease(self) -> bool:
+        """Whether this library wrote the entry as a lease (``lock`` or a contender
+        entry): flags 0 and a JSON record naming its owner. Anything else at a lease's
+        path is another client's, and is never deleted or rewritten."""
+        return self.flags == 0 and "owner" in self.record()
+
+    @property
+    def is_semaphore(self) -> bool:
+        """Whether this library wrote the entry as a ``sem`` record (Holders a list)."""
+        return self.flags == 0 and isinstance(self.record().get("Holders"), list)
+
 
 def op(
     verb: str,
@@ -143,9 +158,13 @@ def op(
     value: Any = None,
     session: Optional[str] = None,
     index: Optional[int] = None,
+    flags: int = 0,
 ) -> dict[str, Any]:
-    """One ``/v1/txn`` KV operation; ``value`` is bytes, or JSON-encoded if not."""
+    """One ``/v1/txn`` KV operation; ``value`` is bytes, or JSON-encoded if not.
+    ``flags``: the entry's ``Flags``, which set, cas, lock and unlock write (0 if left out)."""
     kv: dict[str, Any] = {"Verb": verb, "Key": path}
+    if flags:
+        kv["Flags"] = flags
     if value is not None:
         raw = value if isinstance(value, bytes) else json.dumps(value).encode()
         kv["Value"] = base64.b64encode(raw).decode()

@@ -14,14 +14,15 @@ lock with it.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ...errors import ConfigurationError
 from ..base import Lease
 from ..limits import check_limit
 from ..line import LINE, admit
+from ..readback import settle_acquire, settle_release
 from .core import CAS_ATTEMPTS, MAX_TXN_OPS, ConsulCore, SessionGone, TxnConflict
 from .http import Ambiguous, Unavailable
 from .kv import Entry, Layout, op, pack_mark, unpack_mark
@@ -85,22 +86,29 @@ class Locks(ConsulCore):
         of a semaphore on it; the grant's fencing token, or None if the key is held, in
         lock delay, or others are in line first.
 
-        The first attempt bets on there being no line (``check-not-exists``), so the
-        common acquire is one round trip. Only when that guard failed is the line read
-        and the grant retried guarded by what was read.
+        The first attempt bets on there being no line (``check-not-exists``) and no
+        entry left at ``K/lock``, so the common acquire is one round trip. Only when a
+        guard failed is what it guarded read, and the grant retried guarded by what was
+        read. An unlocked entry at ``K/lock`` is taken over only if this library wrote
+        it (a ``behavior=release`` session's leftover); another client's is refused.
         """
         lock, sem, line = self.layout.lock(key), self.layout.sem(key), self.layout.mark(key, LINE)
         guard: Optional[dict] = op("check-not-exists", line)
+        leftover: dict = op("check-not-exists", lock)
         for _ in range(CAS_ATTEMPTS):
-            ops = [guard, op("check-not-exists", sem), op("lock", lock, record, session_id)]
+            grant = op("lock", lock, record, session_id)
+            ops = [guard, op("check-not-exists", sem), leftover, grant]
             try:
                 entries = self._txn(ops)
             except TxnConflict as failed:
                 if failed.session_invalid:
                     self._process().forget_session(session_id)
                     raise SessionGone() from None
-                if 2 in failed.failed:
+                if 3 in failed.failed:
                     return None  # held by another session, or in its lock delay
+                if 2 in failed.failed:
+                    leftover = self._leftover_guard(key, lock)
+                    continue
                 if 1 in failed.failed:
                     self._clear_stale_semaphore(key, 1)
                     continue
@@ -110,25 +118,45 @@ class Locks(ConsulCore):
                 continue
             except Ambiguous as lost:
                 return self._settle_acquire(lock, owner, session_id, lost)
-            return next(e.modify_index for e in entries if e.key == lock)
+            # The grant's own result is the last for its path (a guard's comes first).
+            return [e.modify_index for e in entries if e.key == lock][-1]
         return None  # the line kept changing under us: treat it as not our turn yet
 
+    def _leftover_guard(self, key: str, path: str) -> dict[str, Any]:
+        """The guard that lets a lock take over the unlocked entry found at ``path``:
+        ``check-index`` on it if this library wrote it, ``check-not-exists`` if it is
+        gone (or locked again: the lock then fails as held). An entry another client
+        wrote there is refused with an error naming it: it is not ours to overwrite."""
+        entry = self._get(path)
+        if entry is None or entry.session:
+            return op("check-not-exists", path)
+        if not entry.is_lease:
+            raise ConfigurationError(
+                f"the Consul entry {path!r}, where the lease of {key!r} lives, was written "
+                f"by another client (flags {entry.flags:#x}, not a celery-exclusive "
+                "record); celery-exclusive never overwrites an entry it did not write. "
+                "Point that client at a key of its own, or share the key with it through "
+                "Consul's own recipe (?recipe=api, consul-lock or acquire on the store URL)."
+            )
+        return op("check-index", path, index=entry.modify_index)
+
     def _settle_acquire(self, path: str, owner: str, session_id: str, lost: Ambiguous) -> int:
-        """The lock's answer was lost: read the lock back. Ours: the grant's token.
-        Otherwise the lock may still land later: watch for it as an orphan, and say
-        that the store did not answer (the caller requeues; never "held")."""
+        """The lock's answer was lost: read the lock back (:mod:`..readback`). Ours: the
+        grant's token. Not known to be ours in time: the lock may still land later, so
+        it is watched for as an orphan, and the store did not answer (the caller
+        requeues; never "held")."""
         state = self._process()
         state.add_orphan(path, owner, ORPHAN_WATCH)
-        try:
-            entry = self._settled_read(path)
-        except Unavailable:
-            raise lost from None
-        mine = entry is not None and entry.session == session_id
-        if mine and entry.record().get("owner") == owner:
-            with state.lock:
-                state.orphans.pop(path, None)
-            return entry.modify_index
-        raise lost
+
+        def token() -> Optional[int]:
+            entry = self._get(path, consistent=True)
+            mine = entry is not None and entry.session == session_id
+            return entry.modify_index if mine and entry.record().get("owner") == owner else None
+
+        granted = settle_acquire(token, lost, *self._settling)
+        with state.lock:
+            state.orphans.pop(path, None)
+        return granted
 
     def _reserve(self, key: str, owner: str) -> bool:
         """Claim ``key`` for ``owner`` among this process's leases, before asking Consul.
@@ -159,12 +187,15 @@ class Locks(ConsulCore):
 
     def _clear_stale_semaphore(self, key: str, limit: int) -> None:
         """A mutex acquire found ``K/sem``: refuse if it has live holders with another
-        limit, else delete it (and its dead contenders) so the mutex can be taken."""
+        limit, else delete it (and its dead contenders) so the mutex can be taken.
+        Only entries this library wrote: another client's entry is never deleted."""
         entries = self._read(self.layout.sem(key))
         slots = _Slots.of(self.layout, key, entries)
         if slots.live:
             check_limit(key, limit, [slots.limit])
-        doomed = [op("delete-cas", e.key, index=e.modify_index) for e in entries.values()]
+        sem = entries.get(self.layout.sem(key))
+        mine = [sem] if sem is not None and sem.is_semaphore else []
+        doomed = [op("delete-cas", e.key, index=e.modify_index) for e in mine + slots.dead]
         for start in range(0, len(doomed), MAX_TXN_OPS):
             try:
                 self._txn(doomed[start : start + MAX_TXN_OPS])
@@ -324,8 +355,8 @@ class Locks(ConsulCore):
         back (the grant still there: try again). Unknown after SETTLE_BUDGET: an orphan
         the heartbeat frees, and BackendUnavailable. A conflict means the grant is gone,
         unless the transaction is ``guarded`` by other reads (then the caller reads again)."""
-        deadline = time.monotonic() + self.settle_budget
-        while True:
+
+        def send() -> bool:
             try:
                 self._txn(ops)
                 return True
@@ -333,18 +364,19 @@ class Locks(ConsulCore):
                 if guarded:
                     raise
                 return False  # no longer this grant: released, expired or taken
-            except Unavailable:
-                pass  # not applied, or not known to be: read back, then try again
+
+        def held() -> bool:  # False: gone, our delete landed (or it expired meanwhile)
+            entry = self._get(path, consistent=True)
+            return entry is not None and entry.record().get("owner") == lease.owner
+
+        try:
+            return send()
+        except Unavailable as lost:  # not applied, or not known to be: read back
             try:
-                entry = self._get(path, consistent=True)
-                if entry is None or entry.record().get("owner") != lease.owner:
-                    return True  # gone: our delete landed (or it expired meanwhile)
+                return settle_release(held, send, lost, *self._settling)
             except Unavailable:
-                pass
-            if time.monotonic() > deadline:
                 self._process().add_orphan(path, lease.owner)
-                raise Unavailable(f"the release of {lease.key!r} was not answered")
-            time.sleep(0.2)
+                raise Unavailable(f"the release of {lease.key!r} was not answered") from None
 
     def _release_slot(self, lease: Lease) -> bool:
         """Delete our contender entry and take us out of ``K/sem`` (deleting it with
@@ -383,10 +415,17 @@ class _Slots:
 
     @classmethod
     def of(cls, layout: Layout, key: str, entries: Mapping[str, Entry]) -> _Slots:
+        """Only this library's entries count, and only they are ever tidied: a contender
+        entry is ours if it sits at ``sem/<encoded owner>`` and is a lease record, so
+        another client's entries under the folder (a Go semaphore's ``sem/.lock``, its
+        contender entries) are neither holders nor dead."""
         sem = entries.get(layout.sem(key))
-        record = sem.record() if sem is not None else {}
-        prefix = layout.sem(key) + "/"
-        contenders = {path: e for path, e in entries.items() if path.startswith(prefix)}
+        record = sem.record() if sem is not None and sem.is_semaphore else {}
+        contenders = {
+            path: e
+            for path, e in entries.items()
+            if e.is_lease and _is_slot_path(layout, key, path, e.record().get("owner"))
+        }
         live = [
             owner
             for owner in record.get("Holders") or []
@@ -394,6 +433,10 @@ class _Slots:
         ]
         dead = [e for e in contenders.values() if not e.session]
         return cls(sem.modify_index if sem else 0, int(record.get("Limit") or 0), live, dead)
+
+
+def _is_slot_path(layout: Layout, key: str, path: str, owner: Any) -> bool:
+    return isinstance(owner, str) and path == layout.slot(key, owner)
 
 
 def _mark_value(entry: Optional[Entry], now: float) -> Optional[str]:

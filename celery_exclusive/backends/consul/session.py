@@ -25,6 +25,7 @@ for all its leases; a forked child opens its own.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,6 +35,12 @@ from .http import MAX_LOCK_DELAY, REQUEST_TIMEOUT, format_duration
 
 #: Consul's session TTL bounds (structs.SessionTTLMax; session_ttl_min defaults to 10 s).
 MIN_SESSION_TTL, MAX_SESSION_TTL = 10.0, 86400.0
+
+
+def ttl_seconds(duration: str) -> float:
+    """Seconds in a Go duration as Consul prints a session's TTL ("10s", "1m30s")."""
+    units = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+    return sum(float(n) * units[u] for n, u in re.findall(r"([\d.]+)(ns|us|µs|ms|s|m|h)", duration))
 
 
 def lock_delay_for(session_ttl: float, configured: Optional[float]) -> float:
@@ -80,6 +87,9 @@ class ProcessState:
     #: value), so leases of one process must be kept apart here, before the request.
     held: dict[str, tuple[str, int]] = field(default_factory=dict)
     orphans: dict[str, Orphan] = field(default_factory=dict)
+    #: ``?recipe=`` semaphore slots: owner -> the session of its own holding the slot
+    #: (Consul's semaphore keys holders by session, one slot each).
+    slot_sessions: dict[str, str] = field(default_factory=dict)
 
     def forget_session(self, session_id: str) -> None:
         """The session is gone, and with it every lock it had."""

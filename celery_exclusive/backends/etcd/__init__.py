@@ -5,5 +5,6 @@ auth, TLS and why the gateway rather than a gRPC client.
 """
 
 from .backend import EtcdBackend
+from .recipe import MutexBackend
 
-__all__ = ["EtcdBackend"]
+__all__ = ["EtcdBackend", "MutexBackend"]

@@ -34,22 +34,25 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional
 from urllib.parse import quote, unquote
 
 import requests
 
 from ...errors import BackendUnavailable, ExclusiveError
-from ..base import Backend, Lease, LeaseInfo
+from ..base import Backend, Capabilities, HeldKey, HoldersPage, Lease, LeaseInfo
 from ..limits import check_limit
 from ..line import LINE, admit, first_in_line
+from ..readback import budget, settle_acquire, settle_release
 from .client import (
     NOT_FOUND,
     EtcdError,
     Gateway,
     b64,
+    cause_of,
     header_revision,
+    maybe_sent,
     parse_json,
     settings_from_url,
     translate,
@@ -64,11 +67,11 @@ MAX_TXN_OPS = 100
 #: write etcd had in its pipeline lands within that. A key whose release failed stays
 #: on it until a delete succeeds: this process keeps its etcd lease alive, and so the key.
 ORPHAN_SECONDS = 60.0
-#: An acquire or release whose answer was lost is read back for at most this long.
-RECONCILE_LIMIT = 5.0
 #: Seconds a process's etcd lease outlives the ttl it serves: a key put on it within
 #: that long after the lease was last kept alive still lives a full ttl.
 LEASE_SLACK = 1
+#: Entries a page of held keys reads per key asked for: a holder or a few, its marks.
+PAGE_ENTRIES = 6
 
 
 def _range_end(prefix: bytes) -> bytes:
@@ -130,14 +133,32 @@ def _compare(key: bytes, target: str, value: Any, result: str = "EQUAL", prefix=
     return body
 
 
+def _limit_of(kv: dict) -> Optional[int]:
+    """The limit a holder entry of ours was granted with; None for an entry that is not
+    ours (etcd's own mutex writes an empty value, which the gateway leaves out)."""
+    value = parse_json(unb64(kv.get("value")))
+    return value.get("limit") if isinstance(value, dict) else None
+
+
+def _owner_of(kv: dict) -> Optional[str]:
+    """The owner of a holder entry of ours; None for an entry that is not ours."""
+    value = parse_json(unb64(kv.get("value")))
+    owner = value.get("owner") if isinstance(value, dict) else None
+    return owner if isinstance(owner, str) else None
+
+
 def _kvs(response: dict) -> list[dict]:
     return response.get("response_range", {}).get("kvs", [])
 
 
 class EtcdBackend(Backend):
-    pushes_wakeups = True
-    stores_records = True
-    stores_marks = True
+    capabilities = Capabilities(limits=True, records=True, marks=True)
+
+    def __new__(cls, url: str) -> EtcdBackend:
+        # ?recipe=mutex: etcd's concurrency mutex on the key's own name (recipe.py).
+        if cls is EtcdBackend and settings_from_url(url).recipe:
+            cls = cls.speaking_recipe()
+        return super().__new__(cls)
 
     def __init__(self, url: str) -> None:
         super().__init__(url)
@@ -162,7 +183,7 @@ class EtcdBackend(Backend):
                 return self.gateway.call(path, body)
             return self.gateway.call(path, body, timeout)
         except (EtcdError, requests.RequestException, OSError) as exc:
-            raise _translated(exc, action, self) from None
+            raise translate(exc, action, self) from None
 
     def _txn(self, action: str, compare: list, success: list, failure: list = ()) -> dict:
         body = {"compare": compare, "success": success, "failure": list(failure)}
@@ -232,12 +253,12 @@ class EtcdBackend(Backend):
                 token = self._grant(key, owner, limit, claimant, value, lease_id, action)
                 return None if token is None else Lease(key, owner, token, ttl, limit)
             except ExclusiveError as error:
-                cause = _cause_of(error)
+                cause = cause_of(error)
                 if isinstance(cause, EtcdError) and cause.code == NOT_FOUND and attempt == 1:
                     self._forget_lease(lease_id)  # the process's etcd lease expired
                     continue
-                if isinstance(error, BackendUnavailable) and _maybe_sent(cause):
-                    return self._reconcile_acquire(key, owner, ttl, limit, error)
+                if isinstance(error, BackendUnavailable) and maybe_sent(cause):
+                    return self._settle_acquire(key, owner, ttl, limit, error)
                 raise
         raise AssertionError("unreachable")
 
@@ -258,7 +279,7 @@ class EtcdBackend(Backend):
                 return header_revision(answer)
             revision = header_revision(answer)
             held, line = _kvs(answer["responses"][0]), _kvs(answer["responses"][1])
-            check_limit(key, limit, [parse_json(unb64(kv["value"])).get("limit") for kv in held])
+            check_limit(key, limit, [_limit_of(kv) for kv in held])
             line_value = unb64(line[0]["value"]).decode() if line else None
             admitted, rest = admit(line_value, claimant, limit - len(held), self.store_time())
             if not admitted:
@@ -289,27 +310,21 @@ class EtcdBackend(Backend):
             self.safe_url,
         )
 
-    def _reconcile_acquire(self, key, owner, ttl, limit, error) -> Lease:
+    def _settle_acquire(self, key, owner, ttl, limit, error: BackendUnavailable) -> Lease:
         """The acquire's answer was lost: read back whether it was granted. A grant
         that might still land later is put on the heartbeat's list to delete."""
         holder_key = self.layout.holder(key, owner)
-        found = self._read_back(holder_key, ttl)
-        if found is not None and found.get("kvs"):
-            return Lease(key, owner, int(found["kvs"][0]["create_revision"]), ttl, limit)
-        self._orphan(holder_key)
-        raise error
+        try:
+            token = settle_acquire(lambda: self._created_at(holder_key), error, budget(ttl))
+        except BackendUnavailable:
+            self._orphan(holder_key)
+            raise
+        return Lease(key, owner, token, ttl, limit)
 
-    def _read_back(self, name: bytes, ttl: float) -> Optional[dict]:
-        deadline = time.monotonic() + min(max(ttl, 1.0), RECONCILE_LIMIT)
-        delay = 0.05
-        while True:
-            try:
-                return self._call("reading back", "kv/range", {"key": b64(name)})
-            except BackendUnavailable:
-                if time.monotonic() + delay > deadline:
-                    return None
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
+    def _created_at(self, holder_key: bytes) -> Optional[int]:
+        """The revision ``holder_key`` was created at (its grant's token), if it exists."""
+        found = self._call("reading back", "kv/range", {"key": b64(holder_key)}).get("kvs")
+        return int(found[0]["create_revision"]) if found else None
 
     def _orphan(self, holder_key: bytes, seconds: float = ORPHAN_SECONDS) -> None:
         with self._lock:
@@ -352,23 +367,24 @@ class EtcdBackend(Backend):
 
     def release(self, lease: Lease) -> bool:
         holder_key = self.layout.holder(lease.key, lease.owner)
-        try:
+
+        def send() -> bool:
             answer = self._call(
                 f"releasing {lease.key!r}", "kv/deleterange", {"key": b64(holder_key)}
             )
+            return int(answer.get("deleted", 0)) > 0
+
+        try:
+            return send()
         except BackendUnavailable as error:
             # Deleted later, by the heartbeat or the next acquire: this process keeps its
             # etcd lease alive, so the key would not expire by itself.
             self._orphan(holder_key, math.inf)
-            if not _maybe_sent(_cause_of(error)):
+            if not maybe_sent(cause_of(error)):
                 raise
-            found = self._read_back(holder_key, lease.ttl)
-            if found is None:
-                raise
-            if found.get("kvs"):
-                return self.release(lease)
-            return True
-        return int(answer.get("deleted", 0)) > 0
+            return settle_release(
+                lambda: self._created_at(holder_key) is not None, send, error, budget(lease.ttl)
+            )
 
     def _free_for(self, key: str, claimant: Optional[str]) -> tuple[bool, int]:
         """Whether ``claimant`` would find a free slot and be first in line, and the
@@ -380,7 +396,7 @@ class EtcdBackend(Backend):
         )
         held, line = _kvs(answer["responses"][0]), _kvs(answer["responses"][1])
         revision = header_revision(answer)
-        limits = [parse_json(unb64(kv["value"])).get("limit") or 1 for kv in held]
+        limits = [_limit_of(kv) or 1 for kv in held]
         if held and len(held) >= min(limits):
             return False, revision
         line_value = unb64(line[0]["value"]).decode() if line else None
@@ -404,11 +420,18 @@ class EtcdBackend(Backend):
             self._watch_once(request, remaining, f"waiting on {key!r}")
 
     def _watch_once(self, request: dict, timeout: float, action: str) -> None:
-        """Block until the watch reports a change, or ``timeout`` passes."""
+        """Block until the watch reports a change, or ``timeout`` passes.
+
+        ``timeout`` is what is left of the caller's wait, not a bound on how long etcd
+        may take to answer: a watch whose answer comes after it saw no change in time,
+        and returns. Whether etcd answers at all, the caller's next read says.
+        """
         try:
             response = self.gateway.watch(request, max(timeout, 0.05))
+        except requests.exceptions.ReadTimeout:
+            return
         except (EtcdError, requests.RequestException, OSError) as exc:
-            raise _translated(exc, action, self) from None
+            raise translate(exc, action, self) from None
         try:
             for line in response.iter_lines():
                 result = json.loads(line).get("result", {}) if line else {}
@@ -462,11 +485,92 @@ class EtcdBackend(Backend):
         answer = self._call(action, "lease/timetolive", {"ID": lease_id})
         return float(answer.get("TTL", 0))
 
+    def holders_page(
+        self,
+        prefix: str = "",
+        cursor: Optional[str] = None,
+        count: int = 100,
+        kinds: Sequence[str] = (),
+    ) -> HoldersPage:
+        # One range over the keys' folders (holders and marks side by side, in the
+        # order of their encoded names), then the time to live of each holder process's
+        # etcd lease on the page: a few, however many keys it holds.
+        action = f"listing holders under {prefix!r}"
+        start = self.layout.keys + _encode(prefix)
+        begin = start if cursor is None else _range_end(self.layout.folder(cursor))
+        body = {
+            "key": b64(begin),
+            "range_end": b64(_range_end(start)),
+            "limit": count * PAGE_ENTRIES,
+        }
+        answer = self._call(action, "kv/range", body)
+        folders: dict[str, dict[str, Any]] = {}
+        for kv in answer.get("kvs", []):
+            name = unb64(kv["key"])
+            key, kind = self.layout.parse(name)
+            folder = folders.setdefault(key, {"holders": [], "marks": {}})
+            if kind == b"h":
+                folder["holders"].append(kv)
+            elif kind == b"m":
+                mark = _decode(name[len(self.layout.folder(key)) + 2 :])
+                folder["marks"][mark] = unb64(kv.get("value")).decode()
+        order = list(folders)
+        if answer.get("more") and len(order) > 1:
+            order.pop()  # may be cut short by the limit: the next page reads it whole
+        ttls: dict[Optional[str], Optional[float]] = {}
+        keys: list[HeldKey] = []
+        last = None
+        for key in order:
+            if len(keys) == count:
+                break
+            last = key
+            folder = folders[key]
+            infos = []
+            for kv in folder["holders"]:
+                lease_id = kv.get("lease")
+                if lease_id not in ttls:
+                    ttls[lease_id] = self._time_to_live(lease_id, action)
+                if ttls[lease_id] is not None and ttls[lease_id] <= 0:
+                    continue
+                value = parse_json(unb64(kv.get("value")))
+                token = int(kv["create_revision"])
+                infos.append(
+                    LeaseInfo(
+                        key, value.get("owner", ""), token, ttls[lease_id], value.get("holder", {})
+                    )
+                )
+            if infos and key.startswith(prefix):
+                marks = {k: v for k, v in folder["marks"].items() if k in kinds}
+                keys.append(
+                    HeldKey(key, tuple(sorted(infos, key=lambda i: i.fencing_token or 0)), marks)
+                )
+        done = last is None or (last == order[-1] and not answer.get("more"))
+        return HoldersPage(keys, None if done else last)
+
+    def renewed_ago(self, info: LeaseInfo) -> Optional[float]:
+        """Unknown: a holder's key lives as long as its process's etcd lease, which any
+        acquire of that process may keep alive too, and whose ttl is rounded up."""
+        return None
+
     def force_release(self, key: str) -> int:
+        """Delete the key's holder entries this store wrote (named after the owner their
+        record names); another client's keys under the same prefix (an ``etcdctl lock``
+        pointed at it) are left alone."""
+        action = f"force-releasing {key!r}"
         holders = self.layout.holders(key)
-        body = {"key": b64(holders), "range_end": b64(_range_end(holders))}
-        answer = self._call(f"force-releasing {key!r}", "kv/deleterange", body)
-        return int(answer.get("deleted", 0))
+        answer = self._call(action, "kv/range", _range(holders, prefix=True)["request_range"])
+        mine = []
+        for kv in answer.get("kvs", []):
+            name, value = unb64(kv["key"]), parse_json(unb64(kv.get("value")))
+            owner = value.get("owner") if isinstance(value, dict) else None
+            if isinstance(owner, str) and name == self.layout.holder(key, owner):
+                mine.append(kv["key"])
+        for start in range(0, len(mine), MAX_TXN_OPS):
+            deletes = [
+                {"request_delete_range": {"key": k}} for k in mine[start : start + MAX_TXN_OPS]
+            ]
+            self._txn(action, [], deletes)
+        return len(mine)
 
     # --- records and marks ------------------------------------------------------------
 
@@ -525,30 +629,3 @@ class EtcdBackend(Backend):
 
     def close(self) -> None:
         self.gateway.close()
-
-
-def _translated(exc: BaseException, action: str, backend: EtcdBackend) -> ExclusiveError:
-    """``translate()``, keeping the etcd or HTTP error for the backend's own decisions
-    (a lease to grant again, an answer to read back) without chaining it."""
-    error = translate(exc, action, backend)
-    error.etcd_error = exc
-    return error
-
-
-def _cause_of(error: ExclusiveError) -> Optional[BaseException]:
-    return getattr(error, "etcd_error", None)
-
-
-def _maybe_sent(exc: Optional[BaseException]) -> bool:
-    """Whether a failed request may have reached etcd (so its write may have happened):
-    everything but a connection that was never made."""
-    if isinstance(exc, requests.exceptions.ConnectTimeout):
-        return False
-    if isinstance(exc, requests.ConnectionError):
-        text = str(exc)
-        return not any(
-            s in text for s in ("NewConnectionError", "Connection refused", "Name or service")
-        )
-    if isinstance(exc, EtcdError):
-        return exc.status >= 500
-    return isinstance(exc, (requests.Timeout, OSError))

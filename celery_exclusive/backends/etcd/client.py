@@ -33,7 +33,10 @@ from ...errors import ConfigurationError, ExclusiveError
 
 #: Seconds to connect, and to wait for an answer (a watch sets its own read timeout).
 CONNECT_TIMEOUT, READ_TIMEOUT = 3.0, 5.0
-OPTIONS = ("cacert", "cert", "key")
+OPTIONS = ("cacert", "cert", "key", "recipe")
+TLS_OPTIONS = ("cacert", "cert", "key")
+#: ``?recipe=``: etcd's own lock recipes the store can speak (recipe.py).
+RECIPES = ("mutex",)
 
 # gRPC status codes the gateway puts in its error bodies (google.golang.org/grpc/codes).
 INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED, UNIMPLEMENTED, UNAUTHENTICATED = 3, 5, 7, 12, 16
@@ -48,6 +51,8 @@ class EtcdSettings:
     cacert: Optional[str] = None
     cert: Optional[str] = None
     key: Optional[str] = None
+    #: ``mutex``: leases by etcd's concurrency mutex on the key's own name (recipe.py).
+    recipe: Optional[str] = None
 
 
 def settings_from_url(url: str) -> EtcdSettings:
@@ -62,7 +67,12 @@ def settings_from_url(url: str) -> EtcdSettings:
             f"exclusive_backend_url has unknown option(s) {', '.join(unknown)}; "
             f"an etcd:// URL accepts: {', '.join(OPTIONS)}."
         )
-    if scheme == "http" and any(query.get(o) for o in OPTIONS):
+    if query.get("recipe") not in (None, *RECIPES):
+        raise ConfigurationError(
+            f"exclusive_backend_url has recipe={query['recipe']!r}; use mutex (etcd's "
+            "concurrency mutex, as etcdctl lock takes it), or leave it out."
+        )
+    if scheme == "http" and any(query.get(o) for o in TLS_OPTIONS):
         raise ConfigurationError(
             "exclusive_backend_url gives TLS files (cacert/cert/key) to an etcd:// URL; "
             "write etcds:// to use TLS."
@@ -77,6 +87,7 @@ def settings_from_url(url: str) -> EtcdSettings:
         cacert=query.get("cacert"),
         cert=query.get("cert"),
         key=query.get("key"),
+        recipe=query.get("recipe"),
     )
 
 
@@ -262,7 +273,35 @@ class ServerClock:
 
 
 def translate(exc: BaseException, action: str, backend) -> ExclusiveError:
-    """The one place an etcd or HTTP failure becomes an ExclusiveError."""
+    """The one place an etcd or HTTP failure becomes an ExclusiveError, which keeps the
+    failure (:func:`cause_of`) for the store's own decisions (a lease to grant again,
+    an answer to read back) without chaining it."""
+    error = _translated(exc, action, backend)
+    error.etcd_error = exc  # type: ignore[attr-defined]
+    return error
+
+
+def cause_of(error: ExclusiveError) -> Optional[BaseException]:
+    """The etcd or HTTP failure :func:`translate` made ``error`` from."""
+    return getattr(error, "etcd_error", None)
+
+
+def maybe_sent(exc: Optional[BaseException]) -> bool:
+    """Whether a failed request may have reached etcd (so its write may have happened):
+    everything but a connection that was never made."""
+    if isinstance(exc, requests.exceptions.ConnectTimeout):
+        return False
+    if isinstance(exc, requests.ConnectionError):
+        text = str(exc)
+        return not any(
+            s in text for s in ("NewConnectionError", "Connection refused", "Name or service")
+        )
+    if isinstance(exc, EtcdError):
+        return exc.status >= 500
+    return isinstance(exc, (requests.Timeout, OSError))
+
+
+def _translated(exc: BaseException, action: str, backend) -> ExclusiveError:
     if isinstance(exc, requests.exceptions.SSLError):
         return _refused(backend, action, exc, "check cacert/cert/key and etcds:// in the URL")
     if isinstance(exc, (requests.ConnectionError, requests.Timeout, OSError)):

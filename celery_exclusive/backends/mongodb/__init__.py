@@ -4,5 +4,6 @@ See :mod:`.backend` for how a grant works and :mod:`.expressions` for the docume
 """
 
 from .backend import MongoDBBackend
+from .recipe import TtlLeaseBackend
 
-__all__ = ["MongoDBBackend"]
+__all__ = ["MongoDBBackend", "TtlLeaseBackend"]

@@ -26,8 +26,9 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Callable, Optional, TypeVar
+from urllib.parse import urlsplit
 
 import pymongo
 import pymongo.errors as mongo_errors
@@ -36,11 +37,12 @@ from pymongo.read_concern import ReadConcern
 from pymongo.write_concern import WriteConcern
 
 from ...errors import BackendUnavailable
-from ..base import Backend, Lease, LeaseInfo
+from ..base import Backend, Capabilities, HoldersPage, Lease, LeaseInfo, page_of
 from ..limits import check_limit
 from ..line import LINE, admit, first_in_line
+from ..readback import LostAnswer, budget, settle_acquire, settle_release, token_of
 from . import expressions as x
-from .errors import translate
+from .errors import translate, translate_write
 
 T = TypeVar("T")
 
@@ -56,8 +58,6 @@ CLIENT_DEFAULTS = {
 CAS_ATTEMPTS = 8
 #: wait() polls between these bounds (seconds), doubling each time.
 POLL_MIN, POLL_MAX = 0.01, 0.2
-#: An acquire or release whose answer was lost is read back for at most this long.
-RECONCILE_LIMIT = 5.0
 
 
 def _field(kind: str) -> str:
@@ -67,12 +67,18 @@ def _field(kind: str) -> str:
 
 
 class MongoDBBackend(Backend):
-    pushes_wakeups = False
-    stores_records = True
-    stores_marks = True
+    capabilities = Capabilities(limits=True, records=True, marks=True)
+
+    def __new__(cls, url: str) -> MongoDBBackend:
+        # ?recipe=ttl-lease: the lease document of MongoDB's TTL-lease recipe (recipe.py).
+        if cls is MongoDBBackend and "recipe=" in urlsplit(url).query:
+            cls = cls.speaking_recipe()
+        return super().__new__(cls)
 
     def __init__(self, url: str) -> None:
         super().__init__(url)
+        #: The URL pymongo is given: this one, less options of the store's own.
+        self.client_url = url
         self._lock = threading.Lock()
         self._pid: Optional[int] = None
         self._client: Optional[pymongo.MongoClient] = None
@@ -85,8 +91,9 @@ class MongoDBBackend(Backend):
         if self._pid != os.getpid() or self._collection is None:
             with self._lock:
                 if self._pid != os.getpid() or self._collection is None:
-                    options = {k: v for k, v in CLIENT_DEFAULTS.items() if k not in self.url}
-                    client = pymongo.MongoClient(self.url, **options, connect=False)
+                    url = self.client_url
+                    options = {k: v for k, v in CLIENT_DEFAULTS.items() if k not in url}
+                    client = pymongo.MongoClient(url, **options, connect=False)
                     database = client.get_default_database(default=DEFAULT_DATABASE)
                     collection = database.get_collection(
                         COLLECTION,
@@ -131,8 +138,8 @@ class MongoDBBackend(Backend):
         update = x.grant(owner, ttl_ms, limit, dict(holder or {}), free)
         try:
             token = self._grant(action, {"_id": key}, update, owner, upsert=True)
-        except _LostAnswer as lost:
-            return self._reconcile_acquire(key, owner, ttl, limit, lost.error)
+        except LostAnswer as lost:
+            return self._settle_acquire(key, owner, ttl, limit, lost)
         if token is not None:
             return Lease(key, owner, token, ttl, limit)
         update = x.grant(owner, ttl_ms, limit, dict(holder or {}))
@@ -165,8 +172,8 @@ class MongoDBBackend(Backend):
             }
             try:
                 token = self._grant(action, guard, steps, owner, upsert=False)
-            except _LostAnswer as lost:
-                return self._reconcile_acquire(key, owner, ttl, limit, lost.error)
+            except LostAnswer as lost:
+                return self._settle_acquire(key, owner, ttl, limit, lost)
             if token is not None:
                 return Lease(key, owner, token, ttl, limit)
         raise BackendUnavailable(
@@ -206,28 +213,13 @@ class MongoDBBackend(Backend):
         try:
             return grant(self.collection())
         except mongo_errors.PyMongoError as exc:
-            raise _translated(exc, action, self) from None
+            raise translate_write(exc, action, self) from None
 
-    def _reconcile_acquire(self, key, owner, ttl, limit, error) -> Lease:
+    def _settle_acquire(self, key, owner, ttl, limit, lost: LostAnswer) -> Lease:
         """The acquire's answer was lost: read back whether it was granted. A grant
         that lands later is not renewed by anyone and expires after its ttl."""
-        infos = self._read_back(lambda: self.holders_of(key), ttl)
-        for info in infos or []:
-            if info.owner == owner:
-                return Lease(key, owner, info.fencing_token, ttl, limit)
-        raise error
-
-    def _read_back(self, read: Callable[[], T], ttl: float) -> Optional[T]:
-        deadline = time.monotonic() + min(max(ttl, 1.0), RECONCILE_LIMIT)
-        delay = 0.05
-        while True:
-            try:
-                return read()
-            except BackendUnavailable:
-                if time.monotonic() + delay > deadline:
-                    return None
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
+        token = settle_acquire(lambda: token_of(self, key, owner), lost.error, budget(ttl))
+        return Lease(key, owner, token, ttl, limit)
 
     def renew(self, leases: Iterable[Lease]) -> set[Lease]:
         leases = list(leases)
@@ -277,18 +269,27 @@ class MongoDBBackend(Backend):
             }
         ]
         action = f"releasing {lease.key!r}"
+
+        def send() -> bool:
+            try:
+                return self.collection().update_one(query, update).matched_count > 0
+            except mongo_errors.PyMongoError as exc:
+                raise translate_write(exc, action, self) from None
+
+        return self._settle_release(lease, send)
+
+    def _settle_release(self, lease: Lease, send: Callable[[], bool]) -> bool:
+        """``send()`` a release until its outcome is known: a lost answer is read back
+        (the owner gone: released; still there: sent again), or its error raised."""
         try:
-            return self.collection().update_one(query, update).matched_count > 0
-        except mongo_errors.PyMongoError as exc:
-            error = _translated(exc, action, self)
-            if not isinstance(error, _LostAnswer):
-                raise error from None
-            infos = self._read_back(lambda: self.holders_of(lease.key), lease.ttl)
-            if infos is None:
-                raise error.error from None
-            if any(info.owner == lease.owner for info in infos):
-                return self.release(lease)
-            return True
+            return send()
+        except LostAnswer as lost:
+            return settle_release(
+                lambda: token_of(self, lease.key, lease.owner) is not None,
+                send,
+                lost.error,
+                budget(lease.ttl),
+            )
 
     def _free_for(self, key: str, claimant: Optional[str]) -> bool:
         found = self._aggregate(
@@ -343,6 +344,54 @@ class MongoDBBackend(Backend):
             for doc in sorted(found, key=lambda d: d["_id"])
             for h in sorted(doc.get("holders") or [], key=lambda h: h["t"])
         ]
+
+    def holders_page(
+        self,
+        prefix: str = "",
+        cursor: Optional[str] = None,
+        count: int = 100,
+        kinds: Sequence[str] = (),
+    ) -> HoldersPage:
+        # One aggregate: a key's document holds its holders and its marks.
+        match: dict = {"_id": {"$gte": prefix}}
+        if cursor is not None:
+            match["_id"]["$gt"] = cursor
+        if prefix and ord(prefix[-1]) < 0x10FFFF:
+            match["_id"]["$lt"] = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+        match["$expr"] = {"$gt": [{"$size": x.LIVE}, 0]}
+        describe = {
+            "$map": {
+                "input": x.LIVE,
+                "as": "h",
+                "in": {
+                    "o": "$$h.o",
+                    "t": "$$h.t",
+                    "h": "$$h.h",
+                    "left": {"$subtract": ["$$h.exp", x.NOW]},
+                },
+            }
+        }
+        marks = {f"m{i}": x.live_mark(_field(kind)) for i, kind in enumerate(kinds)}
+        pipeline = [
+            {"$match": match},
+            {"$sort": {"_id": 1}},
+            {"$limit": count + 1},
+            {"$project": {"holders": describe, **marks}},
+        ]
+        found = self._call(
+            f"listing holders under {prefix!r}", lambda c: list(c.aggregate(pipeline))
+        )
+        rows = [
+            (
+                doc["_id"],
+                LeaseInfo(doc["_id"], h["o"], int(h["t"]), h["left"] / 1000, h.get("h") or {}),
+                [doc.get(f"m{i}") for i in range(len(kinds))],
+            )
+            for doc in found
+            if doc["_id"].startswith(prefix)
+            for h in sorted(doc.get("holders") or [], key=lambda h: h["t"])
+        ]
+        return page_of(rows, kinds, count)
 
     def force_release(self, key: str) -> int:
         update = [{"$set": {"released": {"$size": x.LIVE}, "holders": []}}]
@@ -481,24 +530,6 @@ class MongoDBBackend(Backend):
             if self._client is not None and self._pid == os.getpid():
                 self._client.close()
             self._client = self._collection = None
-
-
-class _LostAnswer(Exception):
-    """A write was sent and its answer lost: it may or may not have been applied."""
-
-    def __init__(self, error: Exception) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-def _translated(exc: BaseException, action: str, backend: MongoDBBackend) -> Exception:
-    """``translate()``, as a :class:`_LostAnswer` when the request went out and no answer
-    came (not for a server that could not even be selected: nothing was sent)."""
-    error = translate(exc, action, backend)
-    sent = isinstance(exc, (mongo_errors.AutoReconnect, mongo_errors.WriteConcernError))
-    if sent and not isinstance(exc, mongo_errors.ServerSelectionTimeoutError):
-        return _LostAnswer(error)
-    return error
 
 
 def _seconds(value) -> float:

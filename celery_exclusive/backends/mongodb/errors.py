@@ -1,4 +1,5 @@
-"""The one place a pymongo exception becomes an ExclusiveError.
+"""The one place a pymongo exception becomes an ExclusiveError (or, for a write whose
+answer was lost, a :class:`.LostAnswer` to read back).
 
 Transient (no server selected in time, a network error, a primary stepping down, a
 write concern not yet satisfied): :class:`BackendUnavailable`. Permanent (the
@@ -11,6 +12,7 @@ from __future__ import annotations
 import pymongo.errors as mongo_errors
 
 from ...errors import ConfigurationError, ExclusiveError
+from ..readback import LostAnswer
 
 #: Server error codes retrying cannot fix (src/mongo/base/error_codes.yml), with the fix.
 _PERMANENT_CODES = {
@@ -49,6 +51,17 @@ def translate(exc: BaseException, action: str, backend) -> ExclusiveError:
     if isinstance(exc, mongo_errors.PyMongoError):
         return _refused(exc, action, backend, "check the server's version (4.2 or later)")
     return backend.unavailable(action, exc)
+
+
+def translate_write(exc: BaseException, action: str, backend) -> Exception:
+    """:func:`translate` for a write: a :class:`.LostAnswer` when the request went out
+    and no answer came (not for a server that could not even be selected: nothing was
+    sent), to be settled by reading back."""
+    error = translate(exc, action, backend)
+    sent = isinstance(exc, (mongo_errors.AutoReconnect, mongo_errors.WriteConcernError))
+    if sent and not isinstance(exc, mongo_errors.ServerSelectionTimeoutError):
+        return LostAnswer(error)
+    return error
 
 
 def _refused(exc: BaseException, action: str, backend, fix: str) -> ConfigurationError:

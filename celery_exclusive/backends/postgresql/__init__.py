@@ -21,6 +21,22 @@ until its outcome is known.
 """
 
 from .backend import PostgreSQLBackend
-from .schema import migrate, schema_sql
+from .recipe import AdvisoryBackend
+from .schema import schema_sql
 
-__all__ = ["PostgreSQLBackend", "migrate", "schema_sql"]
+__all__ = ["AdvisoryBackend", "PostgreSQLBackend", "migrate", "schema_sql"]
+
+
+def migrate(url: str) -> str:
+    """Create the store's tables at ``url`` (as a role allowed to); say what was done.
+
+    For databases where the workers' role may only read and write rows: run this (or
+    ``celery exclusive --backend URL migrate``, or ``schema.sql``) once as the owner,
+    then grant the workers SELECT, INSERT, UPDATE and DELETE on the ``exclusive_*``
+    tables.
+    """
+    backend = PostgreSQLBackend(url)
+    try:
+        return backend.migrate()
+    finally:
+        backend.close()

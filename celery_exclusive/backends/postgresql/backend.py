@@ -21,21 +21,23 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Callable, Optional, TypeVar
 
 import psycopg
 from psycopg import errors as pg_errors
 from psycopg import sql
 
-from ...errors import BackendUnavailable, ExclusiveError
-from ..base import Backend, Lease, LeaseInfo
+from ...errors import BackendUnavailable
+from ..base import Backend, Capabilities, HoldersPage, Lease, LeaseInfo, page_of
 from ..limits import check_limit
 from ..line import LINE, admit, first_in_line
+from ..readback import LostAnswer, budget, settle_acquire, settle_release, token_of
 from . import schema
 from .errors import translate
 from .listener import Listener
 from .settings import settings_from_url
+from .watchdog import CALL_TIMEOUT, CallWatch
 
 T = TypeVar("T")
 
@@ -44,9 +46,6 @@ T = TypeVar("T")
 MAX_SILENCE = 2.0
 #: wait() polls between these bounds (seconds) while nobody listens, doubling each time.
 POLL_MIN, POLL_MAX = 0.01, 0.2
-#: An acquire or release whose answer was lost is read back for at most this long (and
-#: at most its lease's ttl: a grant nobody knows of expires by itself after that).
-RECONCILE_LIMIT = 5.0
 #: The channel of release notifications; a ``?schema=`` gets a channel of its own.
 CHANNEL = "celery_exclusive"
 
@@ -117,6 +116,26 @@ FROM {leases} WHERE {where} AND expires_at > clock_timestamp()
 ORDER BY key, fencing_token
 """
 
+# A page of held keys: one key more than asked for (to know whether a page follows),
+# their live leases, and the marks asked for as two arrays (kinds, values).
+_HOLDERS_PAGE = """
+WITH page AS (
+    SELECT DISTINCT key_id, key FROM {leases}
+    WHERE substring(key FROM 1 FOR %(length)s) = %(prefix)s
+      AND (%(after)s::bytea IS NULL OR key > %(after)s::bytea)
+      AND expires_at > clock_timestamp()
+    ORDER BY key LIMIT %(count)s
+)
+SELECT page.key, l.owner, l.fencing_token,
+       extract(epoch FROM l.expires_at - clock_timestamp())::float8, l.holder,
+       ARRAY(SELECT m.kind FROM {marks} m WHERE m.key_id = page.key_id
+             AND m.kind = ANY(%(kinds)s) AND m.expires_at > clock_timestamp() ORDER BY m.kind),
+       ARRAY(SELECT m.value FROM {marks} m WHERE m.key_id = page.key_id
+             AND m.kind = ANY(%(kinds)s) AND m.expires_at > clock_timestamp() ORDER BY m.kind)
+FROM page JOIN {leases} l ON l.key_id = page.key_id AND l.expires_at > clock_timestamp()
+ORDER BY page.key, l.fencing_token
+"""
+
 # The fenced write: inserts (or replaces) the record only if the owner holds the key.
 _WRITE_RECORD = f"""
 INSERT INTO {{records}} (key_id, name, value)
@@ -136,27 +155,24 @@ _NOTIFY = "SELECT pg_notify(%(channel)s, %(payload)s)"
 _SET_LINE = "UPDATE {marks} SET value = %(value)s WHERE key_id = %(id)s AND kind = %(line)s"
 
 
-class _LostAnswer(Exception):
-    """The connection broke after a write was sent: it may or may not have committed."""
-
-    def __init__(self, error: ExclusiveError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
 class PostgreSQLBackend(Backend):
-    pushes_wakeups = True
-    stores_records = True
-    stores_marks = True
+    capabilities = Capabilities(limits=True, records=True, marks=True)
+
+    def __new__(cls, url: str) -> PostgreSQLBackend:
+        # ?recipe=advisory: session advisory locks on the key's number (recipe.py).
+        if cls is PostgreSQLBackend and settings_from_url(url).recipe:
+            cls = cls.speaking_recipe()
+        return super().__new__(cls)
 
     def __init__(self, url: str) -> None:
         super().__init__(url)
         self.settings = settings_from_url(url)
-        self.pushes_wakeups = self.settings.listen
         prefix = "" if self.settings.schema is None else _quote_ident(self.settings.schema) + "."
         tables = {
             name: f"{prefix}exclusive_{name}" for name in ("leases", "fences", "marks", "records")
         }
+        #: The store's tables by short name ("leases", ...), schema-qualified as the URL says.
+        self.tables = tables
         self._sql = {
             name: text.format(live=_LIVE, where="{where}", **tables)
             for name, text in {
@@ -167,6 +183,7 @@ class PostgreSQLBackend(Backend):
                 "force_release": _FORCE_RELEASE,
                 "free_for": _FREE_FOR,
                 "holders": _HOLDERS,
+                "holders_page": _HOLDERS_PAGE,
                 "write_record": _WRITE_RECORD,
                 "read_record": "SELECT value FROM {records} WHERE key_id = %(id)s "
                 "AND name = %(name)s",
@@ -184,6 +201,7 @@ class PostgreSQLBackend(Backend):
         )
         self._connection_lock = threading.Lock()
         self._conn: Optional[psycopg.Connection] = None
+        self._watch = CallWatch(f"PostgreSQL store {self.safe_url}")
         self._pid = os.getpid()
         self._listener: Optional[Listener] = None
 
@@ -217,11 +235,18 @@ class PostgreSQLBackend(Backend):
             with contextlib.suppress(psycopg.Error):
                 conn.close()
 
-    def _run(self, action: str, work: Callable[[psycopg.Connection], T], txn: bool = True) -> T:
-        """Run ``work(conn)`` as one transaction (``txn``) or one autocommit statement.
+    def _run(
+        self,
+        action: str,
+        work: Callable[[psycopg.Connection], T],
+        txn: bool = True,
+        bound: float = CALL_TIMEOUT,
+    ) -> T:
+        """Run ``work(conn)`` as one transaction (``txn``) or one autocommit statement,
+        cut off after ``bound`` seconds without an answer (:mod:`.watchdog`).
 
         Every failure leaves as an ExclusiveError; one whose answer was lost after the
-        request went out (the outcome of a write is unknown) as :class:`_LostAnswer`.
+        request went out (the outcome of a write is unknown) as :class:`.LostAnswer`.
         """
         with self._connection_lock:
             try:
@@ -229,10 +254,11 @@ class PostgreSQLBackend(Backend):
             except (psycopg.Error, OSError) as exc:
                 raise translate(exc, action, self) from None
             try:
-                if not txn:
-                    return work(conn)
-                with conn.transaction():
-                    return work(conn)
+                with self._watch.bounded(conn, bound):
+                    if not txn:
+                        return work(conn)
+                    with conn.transaction():
+                        return work(conn)
             except (psycopg.Error, OSError) as exc:
                 broken = conn.broken or conn.closed
                 if broken:
@@ -241,39 +267,26 @@ class PostgreSQLBackend(Backend):
                     self._drop_connection()  # someone dropped the tables: re-create them
                 error = translate(exc, action, self)
                 if broken and isinstance(error, BackendUnavailable):
-                    raise _LostAnswer(error) from None
+                    raise LostAnswer(error) from None
                 raise error from None
 
-    def _call(self, action: str, work: Callable[[psycopg.Connection], T], txn: bool = True) -> T:
+    def _call(
+        self,
+        action: str,
+        work: Callable[[psycopg.Connection], T],
+        txn: bool = True,
+        bound: float = CALL_TIMEOUT,
+    ) -> T:
         """``_run`` for reads and idempotent writes: a lost answer is just unavailability,
         after one retry on a fresh connection (the first statement after a server
         restart finds the old connection dead)."""
         for attempt in (1, 2):
             try:
-                return self._run(action, work, txn)
-            except _LostAnswer as lost:
+                return self._run(action, work, txn, bound)
+            except LostAnswer as lost:
                 if attempt == 2:
                     raise lost.error from None
         raise AssertionError("unreachable")
-
-    def _reconcile(self, lost: _LostAnswer, ttl: float, settle: Callable[[], Optional[T]]) -> T:
-        """Settle an acquire or release whose answer was lost: ``settle()`` reads the
-        outcome back (and redoes what did not happen), returning None while the store
-        cannot tell; tried with backoff for up to ``min(ttl, RECONCILE_LIMIT)``. After
-        that, a grant nobody knows of expires by itself."""
-        deadline = time.monotonic() + min(ttl, RECONCILE_LIMIT)
-        delay = 0.05
-        while True:
-            try:
-                outcome = settle()
-            except (BackendUnavailable, _LostAnswer):
-                outcome = None
-            if outcome is not None:
-                return outcome
-            if time.monotonic() + delay > deadline:
-                raise lost.error from None
-            time.sleep(delay)
-            delay = min(delay * 2, 1.0)
 
     def _notify_args(self, key_id: bytes) -> dict:
         return {"channel": self.channel, "payload": key_id.hex()}
@@ -319,16 +332,9 @@ class PostgreSQLBackend(Backend):
         action = f"acquiring {key!r}"
         try:
             return self._run(action, acquire)
-        except _LostAnswer as lost:
-            return self._reconcile(lost, ttl, lambda: self._settle_acquire(key, owner, ttl, limit))
-
-    def _settle_acquire(self, key: str, owner: str, ttl: float, limit: int) -> Optional[Lease]:
-        """The lease if the lost acquire was granted; if it was not, the error again
-        (the caller requeues): a grant is never guessed."""
-        for info in self.holders_of(key):
-            if info.owner == owner:
-                return Lease(key, owner, info.fencing_token, ttl, limit)
-        raise BackendUnavailable(f"the grant of {key!r} did not commit", self.safe_url)
+        except LostAnswer as lost:
+            token = settle_acquire(lambda: token_of(self, key, owner), lost.error, budget(ttl))
+            return Lease(key, owner, token, ttl, limit)
 
     def renew(self, leases: Iterable[Lease]) -> set[Lease]:
         leases = list(leases)
@@ -340,7 +346,9 @@ class PostgreSQLBackend(Backend):
         def renew(conn: psycopg.Connection) -> set[tuple[bytes, str]]:
             return {(bytes(k), o) for k, o in conn.execute(self._sql["renew"], args).fetchall()}
 
-        kept = self._call(f"renewing {len(leases)} lease(s)", renew, txn=False)
+        # A renewal answered after a whole ttl confirms nothing: its leases are lost.
+        bound = min(CALL_TIMEOUT, min(lease.ttl for lease in leases))
+        kept = self._call(f"renewing {len(leases)} lease(s)", renew, txn=False, bound=bound)
         return {lease for lease, key_id in zip(leases, ids) if (key_id, lease.owner) not in kept}
 
     def release(self, lease: Lease) -> bool:
@@ -350,15 +358,18 @@ class PostgreSQLBackend(Backend):
         def release(conn: psycopg.Connection) -> bool:
             return bool(conn.execute(self._sql["release"], params).fetchall())
 
-        try:
+        def send() -> bool:
             return self._run(f"releasing {lease.key!r}", release, txn=False)
-        except _LostAnswer as lost:
-            return self._reconcile(lost, max(lease.ttl, 1.0), lambda: self._settle_release(lease))
 
-    def _settle_release(self, lease: Lease) -> Optional[bool]:
-        if all(info.owner != lease.owner for info in self.holders_of(lease.key)):
-            return True  # gone: the lost release (or expiry) freed it
-        return self.release(lease)
+        try:
+            return send()
+        except LostAnswer as lost:
+            return settle_release(
+                lambda: token_of(self, lease.key, lease.owner) is not None,
+                send,
+                lost.error,
+                budget(lease.ttl),
+            )
 
     def _free_for(self, key_id: bytes, claimant: Optional[str], key: str) -> bool:
         params = {"id": key_id, "line": LINE}
@@ -424,6 +435,34 @@ class PostgreSQLBackend(Backend):
             ]
 
         return self._call(action, read, txn=False)
+
+    def holders_page(
+        self,
+        prefix: str = "",
+        cursor: Optional[str] = None,
+        count: int = 100,
+        kinds: Sequence[str] = (),
+    ) -> HoldersPage:
+        encoded = _bytes(prefix)
+        params = {
+            "length": len(encoded),
+            "prefix": encoded,
+            "after": None if cursor is None else _bytes(cursor),
+            "count": count + 1,
+            "kinds": list(kinds),
+        }
+
+        def read(conn: psycopg.Connection) -> HoldersPage:
+            rows = []
+            for key, owner, token, expires_in, holder, names, values in conn.execute(
+                self._sql["holders_page"], params
+            ):
+                found = dict(zip(names, (_text(value) for value in values)))
+                info = LeaseInfo(_text(key), owner, token, expires_in, json.loads(holder))
+                rows.append((info.key, info, [found.get(kind) for kind in kinds]))
+            return page_of(rows, kinds, count)
+
+        return self._call(f"listing holders under {prefix!r}", read, txn=False)
 
     def force_release(self, key: str) -> int:
         key_id = _key_id(key)

@@ -1,4 +1,4 @@
-"""The store's tables: created on first use, or once by :func:`migrate` for a
+"""The store's tables: created on first use, or once by ``migrate()`` for a
 database where the workers' role may not create tables.
 
 The DDL lives in ``schema.sql`` beside this module, the one copy both use.
@@ -46,23 +46,6 @@ def create(conn: psycopg.Connection, schema: Optional[str]) -> None:
                 )
             )
         conn.execute(schema_sql())
-
-
-def migrate(url: str) -> str:
-    """Create the store's tables at ``url`` (as a role allowed to); say what was done.
-
-    For databases where the workers' role may only read and write rows: run this (or
-    ``celery exclusive --backend URL migrate``, or ``schema.sql``) once as the owner,
-    then grant the workers SELECT, INSERT, UPDATE and DELETE on the ``exclusive_*``
-    tables.
-    """
-    from .backend import PostgreSQLBackend
-
-    backend = PostgreSQLBackend(url)
-    try:
-        return backend.migrate()
-    finally:
-        backend.close()
 
 
 def _table(schema: Optional[str]) -> sql.Composable:

@@ -9,6 +9,8 @@ through untouched. Our options are taken out of the query string first:
                     statements, and ``wait()`` polls instead of LISTENing (a LISTEN
                     needs a session of its own, which transaction pooling does not keep).
 ``listen=0``        poll in ``wait()`` without PgBouncer.
+``recipe=advisory`` take leases as PostgreSQL session advisory locks on a documented
+                    number of the key, which other SQL can take too (recipe.py).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from ...errors import ConfigurationError
 
-OPTIONS = ("schema", "pgbouncer", "listen")
+OPTIONS = ("schema", "pgbouncer", "listen", "recipe")
+#: ``?recipe=``: PostgreSQL's own lock the store can speak (recipe.py).
+RECIPES = ("advisory",)
 #: libpq parameters set unless the URL sets them: a dead server or network must never
 #: hang a worker (connect_timeout, tcp_user_timeout) and the server should see who we are.
 LIBPQ_DEFAULTS = {
@@ -37,6 +41,8 @@ class PostgreSQLSettings:
     schema: Optional[str] = None
     pgbouncer: bool = False
     listen: bool = True
+    #: ``advisory``: leases are session advisory locks on the key's number (recipe.py).
+    recipe: Optional[str] = None
 
 
 def settings_from_url(url: str) -> PostgreSQLSettings:
@@ -47,11 +53,27 @@ def settings_from_url(url: str) -> PostgreSQLSettings:
     present = {name for name, _ in libpq}
     libpq += [(name, value) for name, value in LIBPQ_DEFAULTS.items() if name not in present]
     pgbouncer = _flag(ours, "pgbouncer", False)
+    recipe = ours.get("recipe") or None
+    if recipe is not None and recipe not in RECIPES:
+        raise ConfigurationError(
+            f"exclusive_backend_url has recipe={recipe!r}; use advisory (PostgreSQL's "
+            "session advisory locks), or leave it out for the store's own tables."
+        )
+    if recipe is not None and pgbouncer:
+        raise ConfigurationError(
+            "exclusive_backend_url has recipe=advisory and pgbouncer=1: a session advisory "
+            "lock lives as long as the server session that took it, and PgBouncer in "
+            "transaction mode gives each transaction whichever server session is free, so "
+            "the lock would stay behind on a session another client gets next. Point the URL "
+            "at PostgreSQL itself, or at a PgBouncer pool in session mode (without "
+            "pgbouncer=1)."
+        )
     return PostgreSQLSettings(
         conninfo=urlunsplit(parts._replace(scheme="postgresql", query=urlencode(libpq))),
         schema=ours.get("schema") or None,
         pgbouncer=pgbouncer,
         listen=_flag(ours, "listen", not pgbouncer),
+        recipe=recipe,
     )
 
 

@@ -2,5 +2,6 @@
 
 from .backend import RedisBackend
 from .client import connect, store_options
+from .recipe import SetNxBackend
 
-__all__ = ["RedisBackend", "connect", "store_options"]
+__all__ = ["RedisBackend", "SetNxBackend", "connect", "store_options"]

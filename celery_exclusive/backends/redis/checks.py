@@ -3,27 +3,50 @@
 ``INFO`` (which works where ``CONFIG`` is disabled, as on most managed Redis) tells
 whether the server evicts keys, forgets writes on restart, or is a Cluster node; then
 every script and command the store uses runs once on probe keys, so a missing ACL
-permission shows at start with its name rather than at the first contended task.
+permission shows at start with its name rather than at the first contended task. A
+plain-text URL whose server does not answer may point at a port that speaks TLS: the
+check asks the port, and names the fix.
 """
 
 from __future__ import annotations
 
 import json
+import socket
+import ssl
 import time
 import uuid
-from typing import TYPE_CHECKING
+from typing import Any, Callable, Optional, Protocol
+from urllib.parse import urlsplit
 
 from redis.cluster import RedisCluster
 
 from ...errors import ConfigurationError
+from ..base import Backend
 from ..line import LINE
 from . import layout
-
-if TYPE_CHECKING:
-    from .backend import RedisBackend
+from .client import CONNECT_TIMEOUT, SENTINEL_SCHEMES, TLS_SCHEMES, StoreOptions, hosts
 
 
-def server_warnings(backend: RedisBackend) -> list[str]:
+class Checked(Protocol):
+    """What the check reads of the Redis store it checks (the store itself or its
+    recipe), beside the store protocol: its URL, its options and its client."""
+
+    url: str
+    cluster: bool
+    options: StoreOptions
+
+    @property
+    def safe_url(self) -> str: ...
+
+    @property
+    def client(self) -> Any: ...
+
+    def _call(
+        self, action: str, key: Optional[str], fn: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> Any: ...
+
+
+def server_warnings(backend: Checked) -> list[str]:
     """Refuse a server that can evict leases or sits behind the wrong URL form; warn of
     one that forgets them on restart. Returns the warnings."""
     url = backend.safe_url
@@ -81,13 +104,14 @@ def server_warnings(backend: RedisBackend) -> list[str]:
     return warnings
 
 
-def exercise(backend: RedisBackend, probe_key: str) -> None:
+def exercise(backend: Backend, probe_key: str, delete: Callable[..., Any]) -> None:
     """Run every script and command of the store once, on keys of its own, and clean up.
 
     ``Backend.check`` already took, renewed and released a mutex and swapped a mark;
     this adds a semaphore, a line with a waiter woken on release, a record, ``wait``,
     ``holders`` (SCAN) and ``force_release``. Probe keys are unique to this check, so
-    workers starting together do not meet on them.
+    workers starting together do not meet on them. ``delete(key, *names)`` deletes
+    the probe keys' entries afterwards.
     """
     key = f"{probe_key}:{uuid.uuid4().hex}"
     semaphore = key + ":semaphore"
@@ -117,8 +141,49 @@ def exercise(backend: RedisBackend, probe_key: str) -> None:
                 backend.force_release(key)
         backend.holders(probe_key + ":")
     finally:
-        for probe in (key, semaphore):  # one DEL per key: its entries share one slot
-            names = [layout.lease(probe), layout.holders(probe), layout.fence(probe)]
-            names += [layout.signal(probe), layout.signal(probe, "check"), layout.waiting(probe)]
-            names += [layout.mark(probe, LINE), layout.record(probe, "check")]
-            backend._call("cleaning up the check", probe, backend.client.delete, *names)
+        for name in (key, semaphore):  # one DEL per key: its entries share one slot
+            names = [layout.lease(name), layout.holders(name), layout.fence(name)]
+            names += [layout.signal(name), layout.signal(name, "check"), layout.waiting(name)]
+            names += [layout.mark(name, LINE), layout.record(name, "check")]
+            delete(name, *names)
+
+
+def refuse_plain_text_to_tls(backend: Checked) -> None:
+    """Raise ConfigurationError if ``backend``'s URL speaks plain text to a port that
+    speaks TLS: such a server resets every connection, which would read as an outage
+    and requeue tasks forever."""
+    parts = urlsplit(backend.url)
+    if parts.scheme in TLS_SCHEMES or "ssl=" in parts.query or not parts.hostname:
+        return
+    default_port = 26379 if parts.scheme in SENTINEL_SCHEMES else 6379
+    for host, port in hosts(backend.url, parts, default_port):
+        if speaks_tls(host, port):
+            scheme = "rediss" + parts.scheme[len("redis") :]
+            raise ConfigurationError(
+                f"exclusive_backend_url {backend.safe_url} speaks plain text to {host}:{port}, "
+                f"which speaks TLS and resets every plain-text connection. Write the URL as "
+                f"{scheme}://... (with ssl_ca_certs=<the CA that signed the server's "
+                "certificate> where a private CA did)."
+            )
+
+
+def speaks_tls(host: str, port: int) -> bool:
+    """Whether the server at ``host:port`` answers a TLS handshake. Its certificate is
+    not checked: the question is only which protocol the port speaks."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT)
+    except OSError:
+        return False
+    with sock:
+        try:
+            context.wrap_socket(sock, server_hostname=host).close()
+        except ssl.SSLError as exc:
+            # A TLS server that refuses this client (it asks for a client certificate)
+            # still answered in TLS, with an alert; a plain-text server sent no record.
+            return "ALERT" in str(exc).upper()
+        except OSError:
+            return False
+    return True

@@ -14,8 +14,8 @@ Options (query string): ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``,
 ``socket_timeout``, ``socket_connect_timeout``; for Sentinel also ``sentinel_username``,
 ``sentinel_password``, ``sentinel_ssl`` (default: as the data nodes); and the store's
 own (:class:`StoreOptions`): ``allow_eviction``, ``min_replicas``,
-``min_replicas_timeout``. Options of the store belong in its URL: a broker URL
-reused as the store URL keeps its meaning for both.
+``min_replicas_timeout``, ``recipe`` (``set-nx``: see recipe.py). Options of the store
+belong in its URL: a broker URL reused as the store URL keeps its meaning for both.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.retry import Retry
 
 from ...errors import ConfigurationError
@@ -72,6 +73,8 @@ class StoreOptions:
     min_replicas: int = 0
     #: Seconds ``WAIT`` gives the replicas before the grant is withdrawn.
     min_replicas_timeout: float = 0.5
+    #: ``?recipe=set-nx``: leases on the key's own name by Redis's SET NX lock recipe.
+    recipe: Optional[str] = None
 
 
 def store_options(url: str) -> StoreOptions:
@@ -101,11 +104,20 @@ def connect(url: str) -> Client:
 
 
 def brief_retry() -> Retry:
-    """Two quick retries (10-100 ms apart): enough for a pooled connection the server
-    closed or a node that moved, short enough that an outage is reported within a
-    renewal interval. redis-py's default (10 retries, backoff up to 1 s) would block a
-    heartbeat for seconds; the callers requeue and retry on their own schedule."""
-    return Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.1), 2)
+    """Two quick retries (10-100 ms apart) of a connection error: enough for a pooled
+    connection the server closed or a node that moved, short enough that an outage is
+    reported within a renewal interval. redis-py's default (10 retries, backoff up to
+    1 s) would block a heartbeat for seconds; the callers requeue and retry on their own
+    schedule.
+
+    A call that timed out is not tried again: the server or the link hangs (a black
+    hole answers nothing, and acknowledges everything), and each retry would wait a
+    whole ``socket_timeout`` more: 15 s instead of 5 for one release."""
+    return Retry(
+        ExponentialWithJitterBackoff(base=0.01, cap=0.1),
+        2,
+        supported_errors=(RedisConnectionError,),
+    )
 
 
 def _connect(url: str) -> Client:
@@ -146,11 +158,15 @@ def _store_options(url: str, scheme: str, query: dict) -> StoreOptions:
         ) from None
     if min_replicas < 0 or timeout <= 0:
         raise _bad_url(url, "min_replicas must be >= 0 and min_replicas_timeout > 0")
+    recipe = query.pop("recipe", None)
+    if recipe not in (None, "set-nx"):
+        raise _bad_url(url, "recipe= takes set-nx (Redis's SET NX lock recipe), or nothing")
     return StoreOptions(
         topology=topology,
         allow_eviction=_flag(url, query.pop("allow_eviction", None), False),
         min_replicas=min_replicas,
         min_replicas_timeout=timeout,
+        recipe=recipe,
     )
 
 
@@ -182,7 +198,7 @@ def _cluster(url: str, parts, query: dict, node_kwargs: dict) -> RedisCluster:
     if parts.path.strip("/") not in ("", "0"):
         raise _bad_url(url, "Redis Cluster has one database (0): leave the path out")
     _refuse_unknown(url, query)
-    nodes = [ClusterNode(host, port) for host, port in _hosts(url, parts, 6379)]
+    nodes = [ClusterNode(host, port) for host, port in hosts(url, parts, 6379)]
     try:
         return RedisCluster(startup_nodes=nodes, **node_kwargs)
     except RedisError as exc:  # redis-py asks the nodes for their slots at once
@@ -208,7 +224,7 @@ def _sentinel(url: str, parts, query: dict, node_kwargs: dict, tls: bool) -> red
                 sentinel_kwargs[name] = node_kwargs[name]
     _refuse_unknown(url, query)
     sentinel = Sentinel(
-        _hosts(url, parts, 26379),
+        hosts(url, parts, 26379),
         sentinel_kwargs={k: v for k, v in sentinel_kwargs.items() if v is not None},
         **{k: v for k, v in node_kwargs.items() if v is not None},
     )
@@ -216,7 +232,8 @@ def _sentinel(url: str, parts, query: dict, node_kwargs: dict, tls: bool) -> red
     return sentinel.master_for(path[0], db=db)
 
 
-def _hosts(url: str, parts, default_port: int) -> list[tuple[str, int]]:
+def hosts(url: str, parts, default_port: int) -> list[tuple[str, int]]:
+    """The ``(host, port)`` pairs of a URL's address list (``host:port[,host:port]``)."""
     hosts = []
     for hostport in parts.netloc.rsplit("@", 1)[-1].split(","):
         host, colon, port = hostport.rpartition(":")
@@ -233,8 +250,8 @@ def _refuse_unknown(url: str, query: dict) -> None:
     if query:
         raise _bad_url(
             url,
-            f"unknown option(s) {', '.join(sorted(query))}; see the README's "
-            "'Redis in production' for the options Sentinel and Cluster URLs take",
+            f"unknown option(s) {', '.join(sorted(query))}; see the options Redis URLs take "
+            "(docs: reference/store-urls.md#redis-options)",
         )
 
 

@@ -98,7 +98,7 @@ def translate(
             f"the Redis user of exclusive_backend_url {url} lacks a permission the lease "
             f"store needs ({text}, while {action}). Grant it the store's key pattern and "
             f"commands: ACL SETUSER <user> ~{{<key_prefix>* +{' +'.join(ACL_COMMANDS)} "
-            "(README: Redis in production)."
+            "(docs: how-to/stores/redis.md#a-least-privilege-acl-user)."
         )
     if isinstance(exc, (rex.AuthenticationError, rex.AuthenticationWrongNumberOfArgsError)) or any(
         word in upper for word in _AUTH_REPLIES

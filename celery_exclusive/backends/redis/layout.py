@@ -13,6 +13,7 @@ at the brace the store put there, and every entry of ``K`` shares one hash slot:
     {E}:waiting          set while a waiter not in the line blocks on {E}:signal
     {E}:mark:<kind>      the mark ``kind`` (the line, a pending rerun, ...)
     {E}:record:<name>    the record ``name``
+    {E}:events           the feed of events of the key prefix ``K`` (a capped stream)
 
 The first ``}`` of a Redis key ends ``E``, and ``E`` decodes to exactly one ``K``, so no
 key, whatever its characters, can name another key's entry: a key spelled like an
@@ -90,6 +91,10 @@ def mark(key: str, kind: str) -> str:
 
 def record(key: str, name: str) -> str:
     return lease(key) + ":record:" + name
+
+
+def events(feed: str) -> str:
+    return lease(feed) + ":events"
 
 
 def lease_pattern(prefix: str) -> str:

@@ -2,8 +2,10 @@
 
 Each script opens by binding KEYS and ARGV to named locals and says what it returns.
 Names come from :mod:`.layout`; every key a script touches shares the hash slot of one
-lease key, so each script runs on one Redis Cluster node. The one exception,
-``swap_mark_and_release``, also sets a mark of another key, and runs only off Cluster.
+lease key, so each script runs on one Redis Cluster node. The exceptions,
+``swap_mark_and_release`` (which also sets a mark of another key) and
+``release_and_write`` (which also writes a key of the application's), run only off
+Cluster.
 
 A limit-1 lease is a string, ``<len(owner)>:<owner> <token> <holder JSON>``: the owner
 check compares a prefix, so the uncontended path never decodes JSON, and the length
@@ -157,10 +159,15 @@ local function wake(line_key, signal_key, waiting_key, slots, signal_ttl)
 end
 """
 
-#: How long a key's fence outlives its last grant. The token is floored by the store's
-#: clock, so a fence that expired (or was lost) still never lets a token go backwards;
-#: it only orders grants within one microsecond or across a clock that stepped back.
-FENCE_TTL_MS = 24 * 3600 * 1000
+#: How long a key's fence outlives its last grant, beyond the lease's ttl. The token is
+#: floored by the store's clock, and a grant's token is its grant time (µs): a later
+#: grant's clock reading exceeds it unless the clock stepped back by more than the time
+#: between the two grants. So the fence only orders grants within one microsecond or
+#: across a backward step of the clock, and is needed only while such a step could still
+#: reach back past the last grant; a fence that expired (or was lost) never lets a token
+#: go backwards on a clock that steps back less than this. Kept short so that a burst of
+#: distinct keys leaves its fences behind for minutes, not a day.
+FENCE_TTL_MS = 10 * 60 * 1000
 
 _TOKEN = f"""
 -- The next fencing token of a key whose fence holds `last` (false if none): above the
@@ -170,9 +177,14 @@ local function next_token(last, now)
   return math.max(tonumber(last or '0') + 1, now)
 end
 
--- Keep `token` as the key's last; integers below 2^53 format exactly with %d.
-local function keep_token(fence_key, token, ttl)
-  redis.call('SET', fence_key, string.format('%d', token), 'PX', ttl + {FENCE_TTL_MS})
+-- A token as text (integers below 2^53 format exactly with %d).
+local function token_text(token)
+  return string.format('%d', token)
+end
+
+-- Keep `text` (a token_text) as the key's last token: past the lease's ttl by a margin.
+local function keep_token(fence_key, text, ttl)
+  redis.call('SET', fence_key, text, 'PX', ttl + {FENCE_TTL_MS})
 end
 """
 
@@ -184,36 +196,54 @@ ACQUIRE = (
     + """
 -- Grant a slot of a key if the line lets the caller in.
 -- Returns the fencing token of the grant, or false when there is no slot for the caller.
+-- Owners are unique per attempt, so a slot the owner already holds can only be this
+-- very request, sent again by the client after its answer was lost: that grant is
+-- answered again (its token, its ttl from now), never taken for somebody else's.
 local lease_key, fence_key, holders_key, line_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local owner, ttl, limit = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local holder, claimant = ARGV[4], ARGV[5]  -- claimant: '' when the caller is not in line
 
 local now = now_us()
-local now_ms = math.floor(now / 1000)
 -- The line and the fence in one read (entries of one key: one hash slot).
 local line, last = unpack(redis.call('MGET', line_key, fence_key))
-local entries, live = parse_line(line, now / 1000000)
+-- The line is decoded only where there is one: the uncontended path never parses it.
+local entries, live = nil, {}
+if line then
+  entries, live = parse_line(line, now / 1000000)
+end
 local place = place_of(live, claimant)
 
 if limit == 1 then
-  if place > 0 then
+  if place == 0 then
+    local token = next_token(last, now)
+    local text = token_text(token)
+    if redis.call('SET', lease_key, owner_prefix(owner) .. text .. ' ' .. holder,
+                  'NX', 'PX', ttl) then
+      keep_token(fence_key, text, ttl)
+      if entries then
+        leave_line(line_key, entries, claimant)
+      end
+      return token
+    end
+  end
+  -- Refused, unless the owner's own earlier send holds the key. (Where SET NX failed
+  -- the key exists: read as nothing, it is a semaphore's.)
+  local value = call_typed('GET', lease_key)
+  if value == false then
+    if place == 0 then
+      return redis.error_reply('WRONGTYPE limit mismatch')
+    end
     return false
   end
-  local token = next_token(last, now)
-  local value = owner_prefix(owner) .. string.format('%d', token) .. ' ' .. holder
-  if redis.call('SET', lease_key, value, 'NX', 'PX', ttl) then
-    keep_token(fence_key, token, ttl)
-    if entries then
-      leave_line(line_key, entries, claimant)
-    end
-    return token
+  local prefix = owner_prefix(owner)
+  if string.sub(value, 1, #prefix) ~= prefix then
+    return false
   end
-  if redis.call('TYPE', lease_key).ok ~= 'string' then
-    return redis.error_reply('WRONGTYPE limit mismatch')
-  end
-  return false
+  redis.call('PEXPIRE', lease_key, ttl)
+  return tonumber(string.match(value, '^%d+', #prefix + 1))
 end
 
+local now_ms = math.floor(now / 1000)
 -- A semaphore, on a key nobody holds as a mutex.
 local kind = redis.call('TYPE', lease_key).ok
 if kind ~= 'zset' and kind ~= 'none' then
@@ -231,14 +261,26 @@ local held = redis.call('ZCARD', lease_key)
 if held > 0 and tonumber(redis.call('HGET', holders_key, 'limit')) ~= limit then
   return redis.error_reply('WRONGTYPE limit mismatch')
 end
-if place >= limit - held then
+-- No slot for the caller, unless it holds one already (its earlier send's, counted
+-- among `held`): only then is the owner looked for.
+if place >= limit - held and (held == 0 or not redis.call('ZSCORE', lease_key, owner)) then
   return false
 end
-local token = next_token(last, now)
-keep_token(fence_key, token, ttl)
-redis.call('ZADD', lease_key, now_ms + ttl, owner)
-redis.call('HSET', holders_key, 'limit', limit, 'h:' .. owner,
-           string.format('%d', token) .. ' ' .. holder)
+-- ZADD answers 0 for an owner already there: its earlier send's grant, answered again
+-- with the token of its record (a record gone missing is written anew).
+local record = false
+if redis.call('ZADD', lease_key, now_ms + ttl, owner) == 0 then
+  record = redis.call('HGET', holders_key, 'h:' .. owner)
+end
+local token
+if record then
+  token = tonumber(string.match(record, '^%d+'))
+else
+  token = next_token(last, now)
+  local text = token_text(token)
+  keep_token(fence_key, text, ttl)
+  redis.call('HSET', holders_key, 'limit', limit, 'h:' .. owner, text .. ' ' .. holder)
+end
 if redis.call('PTTL', lease_key) < ttl then
   redis.call('PEXPIRE', lease_key, ttl)
   redis.call('PEXPIRE', holders_key, ttl)
@@ -319,6 +361,13 @@ local function swap(mark_key, has_expected, expected, has_new, new, ttl)
     redis.call('DEL', mark_key)
   end
   return 1
+end
+
+-- Set the mark `mark_key` to `new` as swap does; true also if it holds `new` already (a
+-- client that sends the script again after losing its reply finds its own write).
+local function set_mark(mark_key, has_expected, expected, new, ttl)
+  return swap(mark_key, has_expected, expected, true, new, ttl) == 1
+      or redis.call('GET', mark_key) == new
 end
 """
 
@@ -423,6 +472,62 @@ return found
 """
 )
 
+#: Not on a cluster: the keys it reads are found by SCAN, so no script can declare them.
+HOLDERS_PAGE = (
+    _NOW
+    + """
+-- A page of held keys for operators: SCAN on from `cursor` for the names matching
+-- `pattern` (COUNT `count`, within 10..100), until `count` leases are found or `budget`
+-- names were looked at (a bounded time inside Redis however sparse the matches); for
+-- each lease, what
+-- DESCRIBE returns and the key's marks of the kinds in ARGV[5...].
+-- Returns {next cursor ('0': done), now_ms, {lease name, DESCRIBE's reply from its
+-- kind on, {mark values, false where absent}}, ...}.
+local pattern, cursor = ARGV[1], ARGV[2]
+local count, budget = tonumber(ARGV[3]), tonumber(ARGV[4])
+local step = math.max(10, math.min(count, 100))
+local kinds = {}
+for i = 5, #ARGV do
+  table.insert(kinds, ARGV[i])
+end
+
+local now_ms = math.floor(now_us() / 1000)
+local page, seen, looked = {cursor, now_ms}, {}, 0
+repeat
+  local reply = redis.call('SCAN', cursor, 'MATCH', pattern, 'COUNT', step)
+  cursor = reply[1]
+  looked = looked + step
+  for _, name in ipairs(reply[2]) do
+    -- A lease's name is the only one whose first '}' is its last character.
+    if not seen[name] and string.find(name, '}', 1, true) == #name then
+      seen[name] = true
+      local kind = redis.call('TYPE', name).ok
+      local held = {}
+      if kind == 'string' then
+        held = {redis.call('PTTL', name), redis.call('GET', name)}
+      elseif kind == 'zset' then
+        local live = redis.call('ZRANGEBYSCORE', name, '(' .. now_ms, '+inf', 'WITHSCORES')
+        for i = 1, #live, 2 do
+          table.insert(held, live[i])
+          table.insert(held, live[i + 1])
+          table.insert(held, redis.call('HGET', name .. ':holders', 'h:' .. live[i]) or '0 {}')
+        end
+      end
+      if #held > 0 then
+        local marks = {}
+        for i, mark in ipairs(kinds) do
+          marks[i] = redis.call('GET', name .. ':mark:' .. mark)
+        end
+        table.insert(page, {name, kind, held, marks})
+      end
+    end
+  end
+until cursor == '0' or #page - 2 >= count or looked >= budget
+page[1] = cursor
+return page
+"""
+)
+
 WRITE_RECORD = (
     _NOW
     + _HOLDS
@@ -475,9 +580,76 @@ local owner, limit, signal_ttl = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local has_expected, expected = ARGV[4] == '1', ARGV[5]
 local new, ttl = ARGV[6], ARGV[7]
 
-if swap(mark_key, has_expected, expected, true, new, ttl) == 0
-    and redis.call('GET', mark_key) ~= new then
+if not set_mark(mark_key, has_expected, expected, new, ttl) then
   return -1
+end
+return release(lease_key, holders_key, line_key, signal_key, waiting_key,
+               owner, limit, signal_ttl)
+"""
+)
+
+#: Not on a cluster: the written key (and the mark) may live in other hash slots, and
+#: the written key in another database.
+RELEASE_AND_WRITE = (
+    _NOW
+    + _HOLDS
+    + _LINE
+    + _WAKE
+    + _RELEASE
+    + _SWAP
+    + """
+-- Free the owner's slot of a key and, only if the owner held it, write a value of the
+-- application's own (a task's result, as Celery's Redis result backend stores it) and
+-- delete a mark that still holds the given value (the call's enqueue mark): the key is
+-- free the moment the value can be read, and a holder that lost its lease writes
+-- nothing. With a mark to set, first set it if it holds the expected value, as
+-- swap_mark_and_release does (the end of an attempt, its record and its result at once).
+-- Returns 1 if the owner held the key (and the value is written, or left as it was: a
+-- stored value whose JSON status is keep_status stays), 0 if not (nothing written or
+-- deleted; a mark is set all the same), or -1 if the mark held something else than
+-- expected (nothing changed).
+-- KEYS[7] and KEYS[8] are the marks to set and to clear; where there is none, the
+-- lease key stands in (an ACL that limits key names checks every declared key) and
+-- the flag in ARGV says it is unused.
+local lease_key, holders_key, line_key = KEYS[1], KEYS[2], KEYS[3]
+local signal_key, waiting_key, write_key = KEYS[4], KEYS[5], KEYS[6]
+local mark_key, clear_key = KEYS[7], KEYS[8]
+local owner, limit, signal_ttl = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local lease_db, write_db = ARGV[4], ARGV[5]
+local value, write_ttl, publish, keep_status = ARGV[6], tonumber(ARGV[7]), ARGV[8], ARGV[9]
+local has_mark, has_expected, expected = ARGV[10] == '1', ARGV[11] == '1', ARGV[12]
+local new, mark_ttl = ARGV[13], ARGV[14]
+local has_clear, clear_value = ARGV[15] == '1', ARGV[16]
+
+if has_mark and not set_mark(mark_key, has_expected, expected, new, mark_ttl) then
+  return -1
+end
+local now_ms = limit == 1 and 0 or math.floor(now_us() / 1000)
+if not holds(lease_key, owner, limit, now_ms) then
+  return 0
+end
+if has_clear then
+  swap(clear_key, true, clear_value, false, nil, 0)
+end
+-- The write before the release: should the server refuse it, the script stops with
+-- the lease held.
+if write_db ~= lease_db then
+  redis.call('SELECT', write_db)
+end
+local current = redis.call('GET', write_key)
+local ok, stored = pcall(cjson.decode, current or '')
+if not (keep_status ~= '' and ok and type(stored) == 'table' and stored.status == keep_status) then
+  if write_ttl > 0 then
+    redis.call('SET', write_key, value, 'PX', write_ttl)
+  else
+    redis.call('SET', write_key, value)
+  end
+  if publish == '1' then
+    redis.call('PUBLISH', write_key, value)
+  end
+end
+if write_db ~= lease_db then
+  redis.call('SELECT', lease_db)
 end
 return release(lease_key, holders_key, line_key, signal_key, waiting_key,
                owner, limit, signal_ttl)
@@ -492,7 +664,9 @@ ALL = {
     "force_release": FORCE_RELEASE,
     "free_for": FREE_FOR,
     "describe": DESCRIBE,
+    "holders_page": HOLDERS_PAGE,
     "write_record": WRITE_RECORD,
     "swap_mark": SWAP_MARK,
     "swap_mark_and_release": SWAP_MARK_AND_RELEASE,
+    "release_and_write": RELEASE_AND_WRITE,
 }

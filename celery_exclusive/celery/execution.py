@@ -1,0 +1,403 @@
+"""Running one call of an ExclusiveTask: Celery as a host of the attempt engine.
+
+:mod:`celery_exclusive.celery.task` declares the task class; this module executes its
+calls, as Celery's ``app/trace.py`` does for ``app/task.py``. The lease is taken in
+``__call__``, inside Celery's tracer, because a signal handler cannot skip a task, and
+``after_return`` is not called for retried, ignored or rejected tasks: the engine's
+``try/finally`` around the body therefore releases on every exit path. What a hard
+kill leaves behind, the worker's main process releases
+(:class:`celery_exclusive.celery.worker.ExclusiveRequest`), and the store expires in
+any case.
+
+The engine (:mod:`celery_exclusive.engine.attempt`) decides; this module tells it what
+a Celery call can do (:func:`host_of`) and carries its outcome out in Celery's terms
+(:func:`_carry_out`): a result, a terminal "skipped" state, a message sent again
+(``Retry``), a redelivered copy ended without a trace (``Ignore``), a message handed
+back to the broker (``Reject``).
+
+A task with ``acks_late`` may see its message delivered twice (a Redis or SQS
+broker's visibility timeout, a connection lost before the ack): the copy is
+recognised by its task id. While the first delivery runs, the copy is set aside
+without storing a result; once an attempt has ended, copies of it are dropped.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+from typing import Any, Callable, NoReturn
+
+from celery.app.task import Context
+from celery.exceptions import Ignore, Reject, Retry
+
+from ..core import config, marks
+from ..engine import attempt, outcomes
+from ..errors import BackendUnavailable, DuplicateCoalesced, DuplicateSkipped
+from . import results
+
+logger = logging.getLogger("celery_exclusive")
+
+#: Message header counting how often a call was requeued (drives its backoff).
+REQUEUES_HEADER = "exclusive_requeues"
+#: Message header set on a call sent again after its lease was lost: it resumes a run
+#: that started, and is no duplicate of the holder it meets.
+RESUMED_HEADER = "exclusive_resumed"
+
+#: The broker's visibility timeout when ``broker_transport_options`` sets none
+#: (kombu's Redis and SQS transports: one hour).
+DEFAULT_VISIBILITY_TIMEOUT = 3600.0
+
+#: The task's own ``Task.__call__`` (the next one along its class's MRO): runs the body.
+Body = Callable[..., Any]
+
+
+class RedeliveredCopy(Ignore):
+    """Ends a second delivery of a task's message without storing any state: the first
+    delivery runs, or has run, and its result is the task's."""
+
+
+#: The (task, request) of every call ExclusiveTask runs in this thread, outermost first.
+_running = threading.local()
+
+
+def call(task: Any, args: tuple, kwargs: dict, body: Body) -> Any:
+    """Run one call of ``task`` (``task(*args, **kwargs)``, from the tracer or directly)."""
+    request = task.request_stack.top
+    if request is None or _running_here(task, request):
+        # A direct call: from outside a worker, or from inside a run of this very task
+        # (recursion, a helper calling it). It is a call of its own, with a request of
+        # its own: the running message's id, headers and retries are not its.
+        task.request_stack.push(Context(args=args, kwargs=kwargs))
+        try:
+            return _enter(task, args, kwargs, body)
+        finally:
+            task.request_stack.pop()
+    return _enter(task, args, kwargs, body)
+
+
+def _enter(task: Any, args: tuple, kwargs: dict, body: Body) -> Any:
+    request = task.request
+    running = _running.__dict__.setdefault("calls", [])
+    running.append((task, request))
+    try:
+        settings = task.exclusive_settings
+        key = task.exclusive_key_for(args, kwargs)
+        if settings.scope == "run" or _cannot_requeue(request):
+            return _call_exclusive(task, request, settings, key, args, kwargs, body)[0]
+        cleared = False  # the enqueue mark: by the release, with the result, or below
+        try:
+            value, cleared = _call_exclusive(task, request, settings, key, args, kwargs, body)
+            return value
+        except (Retry, RedeliveredCopy):
+            cleared = True  # the same task id comes back, or still runs: still queued
+            raise
+        finally:
+            if not cleared:
+                _clear_enqueue_mark(task, key)
+    finally:
+        running.pop()
+
+
+def _call_exclusive(
+    task: Any,
+    request: Context,
+    settings: config.Settings,
+    key: str,
+    args: tuple,
+    kwargs: dict,
+    body: Body,
+) -> tuple[Any, bool]:
+    """Run the call: what it returns, and whether its result was stored with the
+    release of its lease (which cleared its enqueue mark too)."""
+    if request.called_directly:
+        holding = attempt.held_here(key)
+        if holding is not None:
+            # Called directly under a lease on its own key (recursion): re-entrant, like
+            # an RLock. The caller's lease covers it and is released by the caller.
+            with attempt.entered(holding):
+                return body(*args, **kwargs), False
+    the_call = attempt.Call(
+        task.name,
+        request.id,
+        key,
+        settings,
+        task.exclusive_backend,
+        args,
+        kwargs,
+        requeues=requeues_of(request),
+        retries=request.retries or 0,
+        resumed=bool(_header(request, RESUMED_HEADER, False)),
+    )
+    outcome = attempt.run(the_call, host_of(task, request, settings), lambda a, k: body(*a, **k))
+    return _carry_out(task, outcome), isinstance(outcome, outcomes.Ran) and outcome.written
+
+
+def host_of(task: Any, request: Any = None, settings: Any = None) -> attempt.Host:
+    """What the current call of ``task`` can do: a worker's call can be sent again; an
+    eager or direct call runs in the caller's process (a web server, a test), whose
+    signal handlers are not ours to take and which has no queue to go back to.
+
+    A call whose message cannot come twice gets a Host made once per task, process and
+    settings (the same few facts every call): only a redelivered call's reads the
+    broker's visibility timeout, which the app's configuration may change.
+    """
+    request = task.request if request is None else request
+    settings = task.exclusive_settings if settings is None else settings
+    direct = _cannot_requeue(request)
+    acks_late = bool(task.acks_late)
+    if acks_late and request.id and not direct:
+        return _host(task, settings, direct, redelivery=True)
+    facts = (settings, os.getpid(), direct, acks_late, bool(task.reject_on_worker_lost))
+    made = task.__dict__.get("_exclusive_host")
+    if made is None or made[0] != facts:
+        made = (facts, _host(task, settings, direct, redelivery=False))
+        task.__dict__["_exclusive_host"] = made
+    return made[1]
+
+
+def _host(task: Any, settings: config.Settings, direct: bool, redelivery: bool) -> attempt.Host:
+    return attempt.Host(
+        can_requeue=not direct,
+        redelivery=redelivery,
+        redelivered_when_stopped=bool(task.acks_late and task.reject_on_worker_lost) and not direct,
+        stop_process=None if direct or settings.on_lease_lost != "terminate" else _in_pool_child(),
+        finished_ttl=finished_ttl(task) if redelivery else 0.0,
+        comes_back=_comes_back,
+        result_write=None if direct else functools.partial(results.result_write, task),
+    )
+
+
+def _comes_back(exc: BaseException) -> bool:
+    """A body that rejects its message with ``requeue=True`` has not ended its attempt."""
+    return isinstance(exc, Reject) and bool(exc.requeue)
+
+
+def finished_ttl(task: Any) -> float:
+    """How long a finished mark lasts: a copy restored just before the first delivery
+    was acknowledged arrives within the visibility timeout; a copy set aside comes back
+    within one requeue delay."""
+    options = task.app.conf.broker_transport_options or {}
+    visibility = float(options.get("visibility_timeout", DEFAULT_VISIBILITY_TIMEOUT))
+    settings = task.exclusive_settings
+    return visibility + settings.requeue_max_delay + settings.lease_ttl
+
+
+# --- the outcome, in Celery's terms ------------------------------------------------------
+
+
+def _carry_out(task: Any, outcome: outcomes.Outcome) -> Any:
+    if isinstance(outcome, outcomes.Ran):
+        if outcome.written:
+            # Stored with the release of the lease: Celery's tracer, which reads this
+            # when it would store the result, leaves it as it is.
+            task.request.ignore_result = True
+        return outcome.result
+    request, key, name = task.request, outcome.key, task.name
+    if isinstance(outcome, outcomes.Skipped):
+        logger.info(
+            "duplicate skipped key=%s task_id=%s holder=%s", key, request.id, outcome.holder_task_id
+        )
+        holder = attempt.describe_holder(outcome.holder_task_id, outcome.holder)
+        return _duplicate_ends(
+            task,
+            DuplicateSkipped(
+                f"{name}[{request.id}] was skipped: its key {key!r} is held by {holder}. Use "
+                "exclusive_on_duplicate='requeue', 'wait' or 'rerun' to run it later instead.",
+                key,
+                outcome.holder_task_id,
+            ),
+            {"outcome": "skipped", "key": key, "holder": outcome.holder_task_id},
+        )
+    if isinstance(outcome, outcomes.Coalesced):
+        logger.info(
+            "duplicate coalesced key=%s task_id=%s rerun=%s", key, request.id, outcome.rerun_task_id
+        )
+        return _duplicate_ends(
+            task,
+            DuplicateCoalesced(
+                f"{name}[{request.id}] joined the pending rerun of {key!r}, task "
+                f"{outcome.rerun_task_id}, which runs once after the current holder.",
+                key,
+                outcome.rerun_task_id,
+            ),
+            {"outcome": "coalesced", "key": key, "rerun": outcome.rerun_task_id},
+        )
+    if isinstance(outcome, outcomes.Requeue):
+        _send_again(task, outcome)
+    if isinstance(outcome, outcomes.GaveUp):
+        advice = "Raise exclusive_requeue_max_retries (None: no limit)."
+        if outcome.cause == "unanswered":
+            raise BackendUnavailable(
+                f"{name}[{request.id}] gave up after {outcome.requeues} requeues: "
+                f"{outcome.reason} while it tried to take {key!r}. {advice}",
+                task.exclusive_backend.safe_url,
+            )
+        raise DuplicateSkipped(
+            f"{name}[{request.id}] gave up after {outcome.requeues} requeues: its key {key!r} "
+            f"stayed {outcome.reason}. {advice}",
+            key,
+            None,
+        )
+    if isinstance(outcome, outcomes.Waited):
+        raise DuplicateSkipped(
+            f"{name} called directly or eagerly could not run: its key {key!r} "
+            f"stayed {outcome.reason} for exclusive_wait_timeout={outcome.wait_timeout}s.",
+            key,
+            None,
+        )
+    if isinstance(outcome, outcomes.Unanswered):
+        how = "eagerly" if request.is_eager else "directly"
+        raise config.unanswered_in_process(
+            f"{name}[{request.id}], called {how},", key, outcome.error
+        ) from None
+    if isinstance(outcome, outcomes.SetAside):
+        _set_aside(task, outcome)
+    if isinstance(outcome, outcomes.Dropped):
+        logger.info(
+            "redelivered copy dropped key=%s task_id=%s: this attempt already ran", key, request.id
+        )
+        raise RedeliveredCopy()
+    if isinstance(outcome, outcomes.Redelivered):
+        logger.warning(
+            "%s[%s] was stopped by the loss of its lease on %r; its message goes "
+            "back to the queue (acks_late and reject_on_worker_lost)",
+            name,
+            request.id,
+            key,
+        )
+        raise Reject(outcome.error, requeue=True) from None
+    raise TypeError(f"unknown outcome {outcome!r}")  # pragma: no cover - a closed set
+
+
+def _duplicate_ends(task: Any, error: DuplicateSkipped, result: dict[str, Any]) -> dict[str, Any]:
+    """End a duplicate that does not run, in the state ``exclusive_skip_state`` chose:
+    FAILURE raising ``error``, or SUCCESS returning ``result``. Both are terminal, so
+    ``AsyncResult.get()`` answers at once."""
+    if task.exclusive_settings.skip_state == "failure":
+        raise error
+    return result
+
+
+def _send_again(task: Any, outcome: outcomes.Requeue) -> NoReturn:
+    """Send this call again after the countdown, then end this attempt."""
+    signature = send_again(task, task.request, outcome)
+    raise Retry(
+        f"requeued: {outcome.key!r} {outcome.reason}", when=outcome.countdown, sig=signature
+    )
+
+
+def send_again(task: Any, request: Any, outcome: outcomes.Requeue) -> Any:
+    """Send the call of ``request`` again after the outcome's countdown, with the same
+    task id; return the signature sent.
+
+    It goes with the outcome's arguments where it has them (a call stopped while it ran
+    as the pending rerun of its key resumes with the rerun's), else with its own.
+    Unlike ``retry()``, a requeue does not spend the task's ``max_retries``: those
+    belong to the task's own errors. It counts in its own header instead.
+    """
+    headers = dict(request.headers or {})
+    headers[REQUEUES_HEADER] = outcome.requeues
+    if outcome.cause == "lost":
+        headers[RESUMED_HEADER] = True
+    signature = task.signature_from_request(
+        request,
+        args=outcome.args,  # None: the request's own
+        kwargs=outcome.kwargs,
+        countdown=outcome.countdown,
+        headers=headers,
+        retries=request.retries,
+    )
+    signature.apply_async()
+    logger.info(
+        "%s key=%s task_id=%s countdown=%.2fs: %s",
+        _REQUEUED_AS[outcome.cause],
+        outcome.key,
+        request.id,
+        outcome.countdown,
+        outcome.reason,
+    )
+    return signature
+
+
+#: How a requeue is logged, by its cause.
+_REQUEUED_AS = {
+    "held": "duplicate requeued",
+    "unanswered": "requeued until the lease store answers",
+    "lost": "requeued after its lease was lost",
+}
+
+
+def _set_aside(task: Any, outcome: outcomes.SetAside) -> NoReturn:
+    """A copy whose first delivery still runs: send it again later, end quietly.
+
+    Acknowledging the copy also drops the broker's record of the first delivery
+    (both carry one delivery tag), so the copy stays around, as a new message, in
+    case the first delivery dies without finishing. When it comes back after the
+    first one ended, it is dropped.
+    """
+    request = task.request
+    headers = dict(request.headers or {})
+    headers[REQUEUES_HEADER] = outcome.requeues
+    task.signature_from_request(
+        request, countdown=outcome.countdown, headers=headers, retries=request.retries
+    ).apply_async()
+    logger.info(
+        "redelivered copy set aside key=%s task_id=%s: the first delivery still runs; "
+        "the copy comes back in %.2fs in case it dies",
+        outcome.key,
+        request.id,
+        outcome.countdown,
+    )
+    raise RedeliveredCopy()
+
+
+def _clear_enqueue_mark(task: Any, key: str) -> None:
+    try:
+        marks.clear_mark(task.exclusive_backend, key, marks.QUEUED, task.request.id)
+    except BackendUnavailable as exc:
+        logger.warning("enqueue mark of %r left to expire (exclusive_enqueue_ttl): %s", key, exc)
+
+
+# --- the call in its thread ----------------------------------------------------------------
+
+
+def _running_here(task: Any, request: Context) -> bool:
+    """Whether ``request`` is that of a call of ``task`` already running in this thread,
+    or the copy Celery's ``Task.__call__`` pushes of it: then a new call is a direct
+    call made from inside that run. (A marker on the request would not do: Celery sends
+    a request's unknown attributes along as message headers, to every retry.)"""
+    return any(
+        running is task and (entered is request or entered.id == request.id)
+        for running, entered in getattr(_running, "calls", ())
+    )
+
+
+def _in_pool_child() -> bool:
+    """Whether this process is a prefork pool child, which may be killed (the pool
+    replaces it) rather than the worker itself."""
+    from billiard.process import current_process
+
+    return getattr(current_process(), "_parent_pid", None) is not None
+
+
+def requeues_of(request: Any) -> int:
+    """How often the call of ``request`` was requeued already."""
+    try:
+        return int(_header(request, REQUEUES_HEADER, 0))
+    except (TypeError, ValueError):
+        return 0
+
+
+def _header(request: Any, name: str, default: Any) -> Any:
+    """A header of the call's message: Celery makes the ones it does not know request
+    attributes, or keeps them in ``request.headers``."""
+    value = getattr(request, name, None)
+    if value is None:
+        value = (getattr(request, "headers", None) or {}).get(name, default)
+    return value
+
+
+def _cannot_requeue(request: Any) -> bool:
+    return bool(request.called_directly or request.is_eager)

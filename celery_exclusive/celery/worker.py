@@ -1,0 +1,247 @@
+"""The worker side of ExclusiveTask: what runs in the worker's main process.
+
+- :class:`ExclusiveRequest` frees the lease of a pool child that died holding it (as
+  soon as the child has exited: :mod:`celery_exclusive.celery.children` watches it),
+  and sends again the call of a child killed because its lease was lost.
+- :class:`CheckExclusiveSettings`, a worker bootstep, checks every exclusive task's
+  settings and key, and every lease store they use, before the first task runs
+  (:func:`check_app`; the store checks themselves are :mod:`celery_exclusive.celery.startup`).
+
+The task body itself runs under its lease in :mod:`celery_exclusive.celery.task`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from celery import bootsteps
+from celery.exceptions import Terminated, WorkerLostError
+from celery.worker.request import Request
+from celery.worker.state import active_requests, task_ready
+from kombu.utils.encoding import safe_repr, safe_str
+
+from ..core import config, kill_notes, marks, reaper
+from ..engine import attempt
+from ..errors import ConfigurationError, ExclusiveError, ExclusiveKeyError
+from . import children, execution, startup
+from .checks import is_exclusive_task
+from .execution import finished_ttl
+
+logger = logging.getLogger("celery_exclusive")
+
+
+class ExclusiveRequest(Request):
+    """Runs in the worker's main process: frees the lease of a child that died.
+
+    A SIGKILLed child (OOM killer, hard time limit, ``revoke(terminate=True,
+    signal="SIGKILL")``) cannot release its lease; it would expire after
+    ``lease_ttl``. The main process watches the child that runs each call
+    (:mod:`.children`) and, as soon as it has exited, releases what the store says this
+    task id holds from that process, owner-checked. Celery reports the death later
+    (WorkerLostError, Terminated, or a hard timeout; seconds later at times), and the
+    rest is done then: the call's marks, the run owed to its coalesced duplicates, the
+    resend of a call killed for its lost lease, and the release of a lease still held
+    (where children are not watched), once the holder process is gone: a child that
+    survives its signal (one it handles) still runs under the lease and releases it
+    itself.
+    """
+
+    def on_accepted(self, pid: int, time_accepted: float) -> None:
+        super().on_accepted(pid, time_accepted)
+        # Not for acks_late: Celery's report first records that the attempt ended (a
+        # copy of the message delivered again must find that before the free key).
+        if not self.task.acks_late:
+            children.watch(pid, self, self._child_exited)
+
+    def on_timeout(self, soft: bool, timeout: float) -> None:
+        super().on_timeout(soft, timeout)
+        if not soft:
+            task = self.task
+            self._release_dead_holder(acknowledged=bool(task.acks_on_failure_or_timeout))
+
+    def terminate(self, pool, signal=None) -> None:
+        """``revoke(terminate=True)``: free the lease as soon as the signalled child is
+        gone, without waiting for the pool to report the job (it may take seconds)."""
+        super().terminate(pool, signal)
+        if self.time_start:  # running: the signal went to its process now
+            self._release_dead_holder(acknowledged=True)  # Celery acks a terminated task
+
+    def on_failure(self, exc_info, send_failed_event: bool = True, return_ok: bool = False):
+        # Every reported end but a success comes here (a retry too: Celery hands it on to
+        # on_retry); a success ends the call for Celery (_child_exited reads that).
+        children.unwatch(self.worker_pid, self)
+        exc = getattr(exc_info, "exception", None)
+        exc = getattr(exc, "exc", exc)  # Celery wraps it in ExceptionWithTraceback
+        if isinstance(exc, WorkerLostError) and self._send_killed_again(exc, exc_info):
+            return
+        super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+        exc = getattr(exc_info, "exception", None)
+        exc = getattr(exc, "exc", exc)  # Celery wraps it in ExceptionWithTraceback
+        if isinstance(exc, WorkerLostError):
+            task = self.task
+            self._release_dead_holder(
+                acknowledged=not (task.acks_late and task.reject_on_worker_lost)
+            )
+        elif isinstance(exc, Terminated):  # revoke(terminate=True): Celery acks the message
+            self._release_dead_holder(acknowledged=True)
+
+    def _send_killed_again(self, exc: BaseException, exc_info: Any) -> bool:
+        """The child was killed because its body did not stop after losing its lease
+        (it left a kill note): send the call again, as a body that stopped is, and end
+        this attempt as a retry. False: the death is handled as any other.
+
+        A body that ran as the pending rerun of its key ran with the newest duplicate's
+        arguments, which its note carries: the call is sent again with them.
+
+        Not when Celery hands the message back itself (``acks_late`` with
+        ``reject_on_worker_lost``): the call must not be sent twice.
+        """
+        task = self.task
+        if not is_exclusive_task(task):
+            return False
+        note = kill_notes.take_kill_note(self.id, self.worker_pid)
+        if note is None or (task.acks_late and task.reject_on_worker_lost):
+            return False
+        request = self._context
+        try:
+            key = task.exclusive_key_for(tuple(self.args or ()), dict(self.kwargs or {}))
+            outcome = attempt.rerun_of_killed(
+                task.exclusive_settings, key, execution.requeues_of(request), note.arguments
+            )
+            if outcome is None:
+                return False
+            execution.send_again(task, request, outcome)
+        except Exception as exc_sending:  # the death is then reported as usual
+            logger.error(
+                "could not send %s[%s] again after its process was killed for its lost lease: %r",
+                self.task_name,
+                self.id,
+                exc_sending,
+            )
+            return False
+        task_ready(self)
+        if self.store_errors:
+            task.backend.mark_as_retry(self.id, exc, exc_info.traceback, request=request)
+        if task.acks_late:
+            self.acknowledge()
+        self.send_event(
+            "task-retried", exception=safe_repr(exc), traceback=safe_str(exc_info.traceback)
+        )
+        return True
+
+    def _child_exited(self, pid: int) -> None:
+        """In the watcher's thread: the child running this call exited. Unless Celery has
+        ended the call already (it succeeded: the child released its lease itself), free
+        what the child held, in a thread of its own (the store may be slow to answer)."""
+        if self not in active_requests or not is_exclusive_task(self.task):
+            return
+        threading.Thread(
+            target=self._free_leases_left_by,
+            args=(pid,),
+            name="celery-exclusive-reaper",
+            daemon=True,
+        ).start()
+
+    def _free_leases_left_by(self, pid: int) -> None:
+        """Release the leases this call holds from process ``pid``, which has exited.
+        Celery's report of the death, later, finds them gone."""
+        task = self.task
+        try:
+            key = task.exclusive_key_for(tuple(self.args or ()), dict(self.kwargs or {}))
+            backend, limit = task.exclusive_backend, task.exclusive_settings.limit
+        except (ExclusiveError, TypeError) as exc:  # TypeError: arguments that never bound
+            logger.warning("could not free the lease of lost task %s: %s", self.id, exc)
+            return
+        reaper.release_left_by(backend, key, self.id, limit, pid)
+
+    def _release_dead_holder(self, acknowledged: bool) -> None:
+        """Free what the dead child held. If Celery acknowledged its message (stored
+        the failure rather than requeueing), also record that the attempt ended, so a
+        copy of the message set aside meanwhile does not run it again."""
+        task = self.task
+        if not is_exclusive_task(task):
+            return
+        try:
+            key = task.exclusive_key_for(tuple(self.args or ()), dict(self.kwargs or {}))
+            backend = task.exclusive_backend
+            held = reaper.held_here(backend, key, self.id, task.exclusive_settings.limit)
+            if task.exclusive_settings.scope != "run":
+                marks.clear_mark(backend, key, marks.QUEUED, self.id)
+            if acknowledged and task.acks_late:
+                retries = int((self.request_dict or {}).get("retries") or 0)
+                marks.mark_finished(backend, key, self.id, retries, finished_ttl(task))
+        except (ExclusiveError, TypeError) as exc:  # TypeError: arguments that never bound
+            logger.warning("could not free the lease of lost task %s: %s", self.id, exc)
+            return
+        if acknowledged:
+            self._send_owed_rerun(task, key)
+        for lease, pid in held:
+            threading.Thread(
+                target=reaper.release_when_gone,
+                args=(backend, lease, pid, self.id),
+                name="celery-exclusive-reaper",
+                daemon=True,
+            ).start()
+
+    def _send_owed_rerun(self, task: Any, key: str) -> None:
+        """The dead child ran the pending rerun of its key, and its message is not
+        delivered again: the duplicates coalesced into it are owed a run, which a new
+        call of the task does."""
+        try:
+            owed = attempt.owed_rerun(task.exclusive_backend, key, self.id)
+            if owed is not None:
+                args, kwargs = owed
+                sent = task.apply_async(args, kwargs)
+                logger.warning(
+                    "pending rerun %s[%s] died; its run goes to %s (its duplicates are owed it)",
+                    task.name,
+                    self.id,
+                    sent.id,
+                )
+        except ExclusiveError as exc:
+            logger.warning("could not hand on the pending rerun of lost task %s: %s", self.id, exc)
+
+
+class CheckExclusiveSettings(bootsteps.Step):
+    """Worker bootstep: check every exclusive task's settings and stores before any
+    task runs.
+
+    A bad setting, or a store that can never work (permissions, a path that is no
+    database), stops the worker at start with one line naming the setting, instead of
+    failing each task later. A store that does not answer is said once, at start.
+    """
+
+    name = "celery-exclusive settings check"
+
+    def __init__(self, worker, **kwargs: Any) -> None:
+        super().__init__(worker, **kwargs)
+        try:
+            check_app(worker.app)
+        except (ConfigurationError, ExclusiveKeyError) as exc:
+            # The message says what to fix; a traceback through Celery's start-up adds nothing.
+            raise SystemExit(f"celery-exclusive: {type(exc).__name__}: {exc}") from None
+
+
+def check_app(app) -> None:
+    """Resolve and check the settings and key of every ExclusiveTask of ``app``, then
+    each lease store they use, once per store and key prefix."""
+    settings = [
+        task.exclusive_settings  # checks the key format too
+        for task in app.tasks.values()
+        if is_exclusive_task(task)
+    ]
+    startup.check_stores(app, settings, _meanwhile)
+
+
+def _meanwhile(group: list[config.Settings]) -> str:
+    """What the tasks using one store do while it does not answer."""
+    run = any(settings.on_backend_error == "run" for settings in group)
+    requeue = any(settings.on_backend_error == "requeue" for settings in group)
+    parts = []
+    if requeue:
+        parts.append("tasks are requeued, not run, until it answers")
+    if run:
+        parts.append("tasks with exclusive_on_backend_error='run' run WITHOUT a lease meanwhile")
+    return "; ".join(parts)

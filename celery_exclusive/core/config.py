@@ -1,0 +1,532 @@
+"""Settings: one naming rule, defaults kept here, every value checked.
+
+The fields of :class:`Settings` are the list of settings, written once: the task
+attributes ``exclusive_<name>``, the RQ decorator's arguments and the checks here all
+come from it (:data:`NAMES`).
+
+Every setting ``<name>`` is read from, in order: the per-task override (task
+attribute ``exclusive_<name>``, or an RQ decorator argument), the app setting
+``exclusive_<name>`` (Django: ``CELERY_EXCLUSIVE_<NAME>``), then the field's default
+in :class:`Settings`. Defaults live in this package rather than in
+``app.add_defaults``, which would hide a user's namespaced value.
+
+Without a Redis broker to share, leases default to a SQLite file private to the app
+and the user (:func:`default_store_path`): two apps, or two users, on one host never
+see each other's keys by accident.
+
+A task resolves its settings once and keeps them while :func:`generation` stays the
+same. The generation moves whenever a watched ``app.conf`` is changed (:func:`watch`),
+a task's ``exclusive_<name>`` attribute is set, or :func:`force` changes what tests
+force: a change made after the first call is seen at the next call, and a call in
+production pays one integer comparison for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import sys
+import tempfile
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any, Callable, Literal, Optional, get_args
+from urllib.parse import urlsplit
+
+from celery.app.utils import Settings as CelerySettings
+
+from ..backends import SCHEMES
+from ..errors import BackendUnavailable, ConfigurationError
+from .keys import KeySpec, is_storable
+
+#: Celery's Redis broker schemes whose URL can serve as the lease store too.
+REDIS_SCHEMES = ("redis", "rediss")
+
+#: The values of the settings that take one of a few words, as types (for type checkers,
+#: the RQ decorator's signature and ExclusiveTask's attributes) and as tuples (checked here).
+OnDuplicate = Literal["skip", "requeue", "wait", "rerun"]
+OnBackendError = Literal["requeue", "run"]
+OnLeaseLost = Literal["terminate", "abort", "log"]
+RerunArgs = Literal["latest", "first"]
+Scope = Literal["run", "enqueue", "both"]
+SkipState = Literal["failure", "success"]
+
+ON_DUPLICATE: tuple[str, ...] = get_args(OnDuplicate)
+ON_BACKEND_ERROR: tuple[str, ...] = get_args(OnBackendError)
+ON_LEASE_LOST: tuple[str, ...] = get_args(OnLeaseLost)
+RERUN_ARGS: tuple[str, ...] = get_args(RerunArgs)
+SCOPES: tuple[str, ...] = get_args(Scope)
+SKIP_STATES: tuple[str, ...] = get_args(SkipState)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The resolved settings of one task (or RQ job function)."""
+
+    #: Where leases live: a store's URL, whose scheme names the store (`redis://`,
+    #: `postgresql://`, `sqlite:///path`...). Tasks exclude each other only when
+    #: their leases live in the same store.
+    backend_url: str
+    #: What a call's lease is taken on: a format string filled from the call's arguments
+    #: ("invoice:{invoice_id}"), a list of argument names (the task's name and those
+    #: arguments), or a callable (args, kwargs) -> str. None: the task's name and all
+    #: its arguments.
+    key: KeySpec = None
+    #: Put before every key in the store, keeping the leases apart from other data
+    #: there; tasks exclude each other only with the same prefix.
+    key_prefix: str = "exclusive:"
+    #: Seconds a lease lives without a renewal. The heartbeat renews it every
+    #: lease_ttl / 3; a holder that dies without releasing frees its key this long after
+    #: its last renewal.
+    lease_ttl: float = 30.0
+    #: How many calls may hold one key at once: 1 is a lock, N a semaphore. Tasks that
+    #: share a key must give it the same limit.
+    limit: int = 1
+    #: What a call whose key is held gets: "skip" (it ends at once without running),
+    #: "requeue" (it is sent again after a backoff), "wait" (it waits in the key's line,
+    #: then runs) or "rerun" (the duplicates of one run become one follow-up run).
+    on_duplicate: OnDuplicate = "skip"
+    #: Seconds a call waits in the key's line for its turn ("wait", a pending rerun, a
+    #: priority caller) before it is requeued; outside a worker, before it raises
+    #: DuplicateSkipped.
+    wait_timeout: float = 10.0
+    #: What a call gets when the store does not answer: "requeue" (it is sent again with
+    #: a backoff until the store answers; it never runs unlocked) or "run" (it runs
+    #: without a lease, and a WARNING says so).
+    on_backend_error: OnBackendError = "requeue"
+    #: What a holder whose lease is lost gets: "terminate" (stopped at once, see
+    #: terminate.py), "abort" (fails with LeaseLost when it returns) or "log".
+    on_lease_lost: OnLeaseLost = "terminate"
+    #: "terminate": seconds an interrupted body has to stop before its process is killed.
+    terminate_grace: float = 5.0
+    #: Whether a call whose body was stopped by the loss of its lease (LeaseLost raised
+    #: into it, or the loss found when it returned) is sent again, to run under a fresh
+    #: lease and its duplicate policy. False: it fails with LeaseLost. Calls with no queue
+    #: to go back to (direct, eager, a synchronous RQ queue) always fail.
+    requeue_lost: bool = True
+    #: First requeue delay in seconds; doubles with each requeue, with full jitter.
+    requeue_delay: float = 1.0
+    #: Seconds: the longest requeue delay, where the doubling stops.
+    requeue_max_delay: float = 60.0
+    #: None: requeue until the key frees up, never drop the duplicate.
+    requeue_max_retries: Optional[int] = None
+    #: rerun policy: the follow-up runs with the latest duplicate's arguments, or the first's.
+    rerun_args: RerunArgs = "latest"
+    #: A priority caller that finds its key held takes the next turn and waits for it.
+    priority: bool = False
+    #: "enqueue"/"both": apply_async() of a key already queued or running returns that
+    #: call's AsyncResult instead of sending again. The run-time lease is always taken.
+    scope: Scope = "run"
+    #: How long an enqueue mark outlives a message nobody ran (a lost message).
+    enqueue_ttl: float = 3600.0
+    #: The state a skipped or coalesced duplicate ends in: "failure" (it raises
+    #: DuplicateSkipped, task_failure fires) or "success" (it returns a dict saying
+    #: so; nothing counts it as a failure). Either is ready at once for .get().
+    skip_state: SkipState = "failure"
+
+
+#: Every setting's name: the one list that task attributes, app settings and the RQ
+#: decorator's arguments are checked against.
+NAMES = tuple(f.name for f in dataclasses.fields(Settings))
+
+
+def setting_name(name: str) -> str:
+    return f"exclusive_{name}"
+
+
+#: Settings of ``celery beat`` alone (:mod:`celery_exclusive.beat`): the name of the
+#: beat's lease key and the scheduler it wraps. Every setting is also
+#: ``exclusive_beat_<name>`` there.
+BEAT_ONLY = ("beat_key", "beat_scheduler")
+
+#: Every app setting celery-exclusive reads, as Celery spells it.
+APP_SETTINGS = tuple(
+    setting_name(name) for name in (*NAMES, *(f"beat_{name}" for name in NAMES), *BEAT_ONLY)
+)
+
+
+class AppSettings:
+    """An ``app.conf`` as its user wrote it: which spelling of a setting Celery looks
+    up, and why a key spelt otherwise is never read.
+
+    ``conf.get("exclusive_lease_ttl")`` finds ``exclusive_lease_ttl`` and, in an app
+    configured with ``config_from_object(..., namespace="CELERY")`` (Django's way),
+    ``CELERY_EXCLUSIVE_LEASE_TTL`` (the namespace in its case, then the name in that
+    case). Any other spelling is kept by Celery and read by nobody.
+    """
+
+    def __init__(self, conf: Any) -> None:
+        self.conf = conf
+        self.prefix: str = getattr(conf, "prefix", None) or ""
+
+    def written(self) -> list[str]:
+        """Every key of the configuration, as written."""
+        return [str(key) for key in self.conf]
+
+    def spelling(self, name: str) -> str:
+        """How this app's configuration is best written to set ``name``
+        (``exclusive_lease_ttl``): with its namespace if it has one."""
+        return self._candidates(name)[0]
+
+    def given_as(self, name: str) -> str:
+        """The key under which ``conf.get(name)`` finds its value, as the user wrote it
+        (``name`` itself when unset)."""
+        for candidate in self._candidates(name):
+            if any(candidate in layer for layer in self.conf.maps):
+                return candidate
+        return name
+
+    def reads(self, key: str, name: str) -> bool:
+        """Whether ``conf.get(name)`` looks ``key`` up."""
+        return key in self._candidates(name)
+
+    def unprefixed(self, key: str) -> str:
+        """``key`` lowercased, without the namespace (or a Django ``CELERY_`` prefix the
+        app does not read): what it would be called in ``app.conf``."""
+        lowered = key.lower()
+        for prefix in (self.prefix.lower(), "celery_"):
+            if prefix and lowered.startswith(prefix):
+                return lowered[len(prefix) :]
+        return lowered
+
+    def why_unread(self, key: str, name: str) -> str:
+        """Why ``key``, a spelling of setting ``name``, is never read, and what to write."""
+        looked_up = " or ".join(self._candidates(name))
+        if key.lower().startswith("celery_") and not self.prefix:
+            return (
+                f"this app reads its configuration without a namespace, so Celery looks up "
+                f"{looked_up} only; write that, or read Django's settings with "
+                "app.config_from_object('django.conf:settings', namespace='CELERY')"
+            )
+        return (
+            f"Celery looks it up as {looked_up} only (names are case-sensitive); write "
+            f"{self.spelling(name)}"
+        )
+
+    def _candidates(self, name: str) -> list[str]:
+        if not self.prefix:
+            return [name]
+        namespaced = self.prefix + name
+        namespaced = namespaced.upper() if self.prefix.isupper() else namespaced.lower()
+        return [namespaced, name]
+
+
+# --- seeing changes made after the first call ---------------------------------------
+
+_generation = 0
+_generation_lock = threading.Lock()
+
+#: Settings forced above every task attribute and app setting (see :func:`force`).
+_forced: dict[str, Any] = {}
+
+
+def generation() -> int:
+    """A number that changes whenever a setting may have changed: a task's resolved
+    settings are good while it stays the same."""
+    return _generation
+
+
+def invalidate() -> None:
+    """Make every task resolve its settings again at its next call."""
+    global _generation
+    with _generation_lock:
+        _generation += 1
+
+
+class WatchedSettings(CelerySettings):
+    """Celery's ``app.conf``, counting its changes (:func:`watch` puts it in place).
+
+    Every way Celery and users change a configuration goes through these methods:
+    ``app.conf.x = ...`` (``__setattr__`` calls ``__setitem__``), ``update()``,
+    ``setdefault()``, ``pop()``, ``clear()``, ``add_defaults()``, and the swap that
+    finalizes a pending configuration. Writing into ``app.conf.changes`` directly
+    bypasses them.
+    """
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        invalidate()
+
+    def __delitem__(self, key: str) -> None:
+        super().__delitem__(key)
+        invalidate()
+
+    def update(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().update(*args, **kwargs)
+        finally:
+            invalidate()
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        try:
+            return super().pop(key, *default)
+        finally:
+            invalidate()
+
+    def clear(self) -> None:
+        super().clear()
+        invalidate()
+
+    def add_defaults(self, d: Any) -> None:
+        super().add_defaults(d)
+        invalidate()
+
+    def swap_with(self, other: Any) -> None:
+        super().swap_with(other)
+        invalidate()
+
+
+def watch(conf: Any) -> bool:
+    """Count the changes of ``conf`` (an ``app.conf``) from now on; False when it is
+    not Celery's own settings object, whose changes then cannot be seen."""
+    if isinstance(conf, WatchedSettings):
+        return True
+    if type(conf) is not CelerySettings:
+        return False
+    # The same object, so every reference to it (and every change) stays; its own
+    # __setattr__ would store "__class__" as a setting.
+    object.__setattr__(conf, "__class__", WatchedSettings)
+    return True
+
+
+@contextmanager
+def force(**settings: Any) -> Iterator[None]:
+    """Force ``settings`` (names without the ``exclusive_`` prefix) on every task and
+    job of this process, above task attributes and app settings, until the block ends.
+
+    For tests (:mod:`celery_exclusive.testing` forces a private ``backend_url``): a
+    task that names its own store must not reach it from a test.
+    """
+    check_names("celery_exclusive.core.config.force()", settings, spelled=lambda name: name)
+    saved = dict(_forced)
+    _forced.update(settings)
+    invalidate()
+    try:
+        yield
+    finally:
+        _forced.clear()
+        _forced.update(saved)
+        invalidate()
+
+
+def describe_setting(name: str, value: Any) -> str:
+    """How an error shows a setting and its value: as Celery spells it."""
+    return f"{setting_name(name)}={value!r}"
+
+
+def check_names(
+    owner: str, names: Iterable[str], spelled: Callable[[str], str] = setting_name
+) -> None:
+    """Raise :class:`ConfigurationError` for a name that is no setting (a typo would
+    otherwise be ignored silently); ``spelled`` shows a name as the user wrote it."""
+    for name in names:
+        if name not in NAMES:
+            close = difflib.get_close_matches(name, NAMES, n=1)
+            hint = f"did you mean {spelled(close[0])}?" if close else "see the settings list"
+            raise ConfigurationError(
+                f"{owner}: {spelled(name)} is not a celery-exclusive setting; {hint} "
+                f"(settings: {', '.join(NAMES)})."
+            )
+
+
+def unanswered_in_process(
+    call: str, key: str, exc: BackendUnavailable, memory: str = "exclusive_backend_url='memory://'"
+) -> BackendUnavailable:
+    """The error of a call run in the caller's own process (eager, direct: a test, most
+    often) whose lease store does not answer: it points to an in-process store (set as
+    ``memory`` says), not to what a worker does meanwhile (``on_backend_error``), which
+    such a call never does."""
+    store = str(exc).split(". Check that", 1)[0]  # the store's words, without its advice
+    return BackendUnavailable(
+        f"{call} runs in this process and cannot take the lease on {key!r}: {store}. In a "
+        "test, request the exclusive_store fixture (celery-exclusive's pytest plugin: every "
+        f"exclusive task then uses a private in-process store), or set {memory}; otherwise "
+        "start that store.",
+        exc.url,
+    )
+
+
+def default_store_dir() -> str:
+    """The directory of the default SQLite stores: the user's own state directory.
+
+    ``$XDG_STATE_HOME/celery-exclusive``, else ``~/.local/state/celery-exclusive``;
+    for a user without a home directory, ``<tmp>/celery-exclusive-<uid>``. It is
+    created with mode 0700, and a worker refuses to start if someone else owns it.
+    """
+    state = os.environ.get("XDG_STATE_HOME", "")
+    if not os.path.isabs(state):
+        home = os.path.expanduser("~")
+        if not os.path.isabs(home):
+            return os.path.join(tempfile.gettempdir(), f"celery-exclusive-{_uid()}")
+        state = os.path.join(home, ".local", "state")
+    return os.path.join(state, "celery-exclusive")
+
+
+def default_store_path(app_name: Optional[str]) -> str:
+    """The default SQLite store of the app named ``app_name``, for this user.
+
+    One file per app and user: two apps never share keys, nor two users a file one of
+    them cannot write. Every process of the app (workers, beat, producers) finds the
+    same file, since it depends on nothing but the app's name and the uid.
+    """
+    return os.path.join(default_store_dir(), f"{app_label(app_name)}-uid{_uid()}.sqlite3")
+
+
+def app_label(app_name: Optional[str]) -> str:
+    """A file-name-safe, stable name for an app.
+
+    ``Celery(__name__)`` in a script run directly is named ``__main__``; its workers
+    (``celery -A tasks worker``) import it as ``tasks``. The script's own module name
+    (the file's stem) is what both agree on.
+    """
+    name = app_name or ""
+    if name in ("", "__main__"):
+        main = sys.modules.get("__main__")
+        spec = getattr(main, "__spec__", None)
+        path = getattr(main, "__file__", None) or ""
+        stem = os.path.splitext(os.path.basename(path))[0]
+        if stem == "__main__" and spec is not None:  # python -m package
+            stem = spec.parent or spec.name
+        name = stem or "__main__"
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:100]
+
+
+def _uid() -> int:
+    getuid = getattr(os, "getuid", None)
+    return getuid() if getuid is not None else 0
+
+
+def default_backend_url(broker_url: Optional[str], app_name: Optional[str] = None) -> str:
+    """The broker's URL when it is Redis, else the app's private SQLite file.
+
+    Without ``app_name``, the current Celery app's (``celery -A proj ...`` makes it
+    current), so that every command of one app finds the same file.
+    """
+    if broker_url and urlsplit(broker_url).scheme in REDIS_SCHEMES:
+        return broker_url
+    if app_name is None:
+        from celery import current_app  # imported late: config sits below the integrations
+
+        app_name = current_app.main
+    return "sqlite:///" + default_store_path(app_name)
+
+
+def resolve(
+    owner: str,
+    override: Callable[[str], Any],
+    app_setting: Callable[[str], Any],
+    broker_url: Optional[str] = None,
+    app_name: Optional[str] = None,
+    describe: Callable[[str, Any], str] = describe_setting,
+) -> Settings:
+    """Resolve and check every setting for ``owner`` (a task or job name, for errors).
+
+    ``override(name)`` and ``app_setting(name)`` return None where nothing is set.
+    ``broker_url`` and ``app_name`` choose the default store (see
+    :func:`default_backend_url`). ``describe(name, value)`` is how an error names a
+    bad setting, in the words of whoever gave it (RQ's decorator and environment
+    variables have their own).
+    """
+    values: dict[str, Any] = {}
+    for name in NAMES:
+        value = _forced.get(name)
+        if value is None:
+            value = override(name)
+        if value is None:
+            value = app_setting(name)
+        if value is not None:
+            values[name] = value
+    values.setdefault("backend_url", default_backend_url(broker_url, app_name))
+    return _check(owner, Settings(**values), describe)
+
+
+def for_app(app: Any, owner: str, override: Callable[[str], Any] = lambda name: None) -> Settings:
+    """The settings of ``owner`` in a Celery ``app``: ``override``, then the app's
+    ``exclusive_<name>`` settings, then the defaults (the default store is the app's).
+
+    From now on, changes to ``app.conf`` move :func:`generation`."""
+    conf = app.conf
+    watch(conf)
+    written = AppSettings(conf)
+
+    def describe(name: str, value: Any) -> str:
+        given = override(name) is not None and _forced.get(name) is None
+        key = setting_name(name) if given else written.given_as(setting_name(name))
+        return f"{key}={value!r}"
+
+    return resolve(
+        owner,
+        override,
+        lambda name: conf.get(setting_name(name)),
+        broker_url=conf.broker_url,
+        app_name=app.main,
+        describe=describe,
+    )
+
+
+def is_default_store(app: Any, url: str) -> bool:
+    """Whether ``url`` is the store ``app`` gets when ``exclusive_backend_url`` is unset."""
+    return url == default_backend_url(app.conf.broker_url, app.main)
+
+
+def _check(owner: str, settings: Settings, describe: Callable[[str, Any], str]) -> Settings:
+    def bad(name: str, value: Any, allowed: str) -> ConfigurationError:
+        return ConfigurationError(f"{owner}: {describe(name, value)} is not allowed; {allowed}.")
+
+    for name, choices in (
+        ("on_duplicate", ON_DUPLICATE),
+        ("on_backend_error", ON_BACKEND_ERROR),
+        ("on_lease_lost", ON_LEASE_LOST),
+        ("rerun_args", RERUN_ARGS),
+        ("scope", SCOPES),
+        ("skip_state", SKIP_STATES),
+    ):
+        value = getattr(settings, name)
+        if value not in choices:
+            raise bad(name, value, "use one of " + ", ".join(repr(c) for c in choices))
+
+    numbers: dict[str, Any] = {}
+    for name in (
+        "lease_ttl",
+        "wait_timeout",
+        "requeue_delay",
+        "requeue_max_delay",
+        "enqueue_ttl",
+        "terminate_grace",
+    ):
+        value = getattr(settings, name)
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = -1.0
+        if number < 0 or (name == "lease_ttl" and number <= 0) or isinstance(value, bool):
+            raise bad(name, value, "use a positive number of seconds")
+        numbers[name] = number
+
+    limit = settings.limit
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise bad("limit", limit, "use a whole number of at least 1")
+    retries = settings.requeue_max_retries
+    if retries is not None and (isinstance(retries, bool) or not isinstance(retries, int)):
+        raise bad("requeue_max_retries", retries, "use a whole number, or None for no limit")
+    if not isinstance(settings.priority, bool):
+        raise bad("priority", settings.priority, "use True or False")
+    if not isinstance(settings.requeue_lost, bool):
+        raise bad("requeue_lost", settings.requeue_lost, "use True or False")
+    if not isinstance(settings.key_prefix, str) or not is_storable(settings.key_prefix):
+        raise bad("key_prefix", settings.key_prefix, "use a string such as 'exclusive:'")
+    key = settings.key
+    if not (key is None or isinstance(key, (str, list, tuple)) or callable(key)):
+        raise bad("key", key, "use a format string, a list of argument names or a callable")
+
+    url = settings.backend_url
+    scheme = urlsplit(url).scheme if isinstance(url, str) else None
+    if scheme not in SCHEMES:
+        raise bad(
+            "backend_url",
+            url,
+            "use a URL whose scheme is one of " + ", ".join(s + "://" for s in sorted(SCHEMES)),
+        )
+    return dataclasses.replace(settings, **numbers)

@@ -1,0 +1,307 @@
+"""Lines of waiters, pending reruns and enqueue marks, built on the store's marks.
+
+Every store offers one primitive beside its leases: a small value with a ttl, changed
+only by compare-and-swap (``Backend.swap_mark``). Each operation here is a short
+read-then-swap loop on it, so a store needs nothing more to support them.
+
+- A **pending rerun** (the key's ``rerun`` mark) names the one duplicate that will run after
+  the current holder, and the arguments it will run with. Later duplicates join it
+  instead of running or being dropped, while it is alive: standing in the key's line,
+  or away on a requeue for no longer than it takes to come back. A duplicate finding a
+  pending rerun that is not alive (its task died) takes its place.
+- A **line** (the key's ``line`` mark, see ``backends/line.py``) orders the callers waiting
+  for a key: first come, first served, with priority callers ahead of the others.
+  The store's ``try_acquire`` admits only the first in line, so a caller arriving
+  at the instant of a release cannot jump it. Each waiter renews its own entry; an
+  entry not renewed by its ``until`` (its waiter died) is dropped by the next
+  waiter that changes the line. ``until`` is the store's time
+  (``Backend.store_time``), so workers whose clocks disagree agree on the line.
+- An **enqueue mark** (the key's ``queued`` mark) names the task already queued or running
+  for a key, so ``apply_async`` can hand back its result instead of sending again.
+- A **released mark** (kind ``released``) lists the fencing tokens an operator freed
+  by hand, so that their holders say so when they find their leases gone.
+- A **finished mark** (kind ``done``, one per task id and key) records the last attempt
+  of a task id that ended (its ``retries`` count), so that a copy of its message
+  delivered again later (a broker's redelivery under ``acks_late``) does not run the
+  body a second time.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from ..backends import Backend
+from ..backends.line import LINE, entries_of, ids_of, until_of
+from ..errors import BackendUnavailable
+
+#: Kinds of the marks kept here (the line's is ``backends.line.LINE``).
+RERUN, QUEUED, DONE, RELEASED = "rerun", "queued", "done", "released"
+
+#: How long an operator's release is remembered (a **released mark**: the fencing
+#: tokens ``celery exclusive release`` freed), so that a holder finding its lease gone
+#: learns why: at its next renewal, or when its body ends under ``on_lease_lost="log"``.
+RELEASED_TTL = 24 * 3600.0
+
+#: Compare-and-swap attempts before concluding the store is too contended to answer.
+ATTEMPTS = 20
+
+
+def join_rerun(
+    backend: Backend,
+    key: str,
+    task_id: str,
+    arguments: str,
+    ttl: float,
+    latest: bool = True,
+    alive_for: Optional[float] = None,
+) -> str:
+    """Make ``task_id`` the pending rerun of ``key``, or join the one already pending.
+
+    Returns the task id of the pending rerun. Joining refreshes the mark's ttl and,
+    with ``latest``, hands the pending task this caller's ``arguments`` (so the
+    follow-up sees the newest change); the pending task keeps its own place either way.
+
+    A pending rerun that is no longer alive (see :func:`_alive`) is not joined: its
+    task died while it waited, or never came back from a requeue, and nothing would
+    ever run for the duplicates joining it. The caller takes its place instead.
+    ``alive_for`` (default: ``ttl``) is how long the pending task counts as alive
+    from now without standing in the key's line: it gets there within moments.
+    """
+    grace = ttl if alive_for is None else alive_for
+
+    def update(current: Optional[str]) -> str:
+        now = backend.store_time()
+        pending = _pending(current)
+        if pending is None or (
+            pending["task_id"] != task_id and not _alive(backend, key, pending, now)
+        ):
+            return json.dumps({"task_id": task_id, "arguments": arguments, "until": now + grace})
+        if pending["task_id"] == task_id:
+            pending["until"] = now + grace  # its own task is back: alive again
+        elif latest:
+            pending["arguments"] = arguments
+        return json.dumps(pending)
+
+    return json.loads(_swap(backend, key, RERUN, update, ttl))["task_id"]
+
+
+def rerun_away(backend: Backend, key: str, task_id: str, away: float, ttl: float) -> Optional[str]:
+    """The pending rerun ``task_id`` of ``key`` leaves for ``away`` seconds (requeued):
+    it stays pending that long without standing in line, and no longer.
+
+    Returns the task id of the pending rerun: ``task_id``, or whoever took its place
+    meanwhile (None: nobody is pending).
+    """
+    for _ in range(ATTEMPTS):
+        current = backend.read_mark(key, RERUN)
+        pending = _pending(current)
+        if pending is None or pending["task_id"] != task_id:
+            return None if pending is None else pending["task_id"]
+        pending["until"] = backend.store_time() + away
+        if backend.swap_mark(key, RERUN, current, json.dumps(pending), ttl):
+            return task_id
+    raise _contended(backend, key, RERUN)
+
+
+def take_rerun(backend: Backend, key: str, task_id: str) -> Optional[str]:
+    """If ``task_id`` is the pending rerun of ``key``, end it and return its arguments.
+
+    Called right after the pending task got the lease: a duplicate arriving from now
+    on becomes the next pending rerun rather than joining this one.
+    """
+    for _ in range(ATTEMPTS):
+        current = backend.read_mark(key, RERUN)
+        pending = _pending(current)
+        if pending is None or pending["task_id"] != task_id:
+            return None
+        if backend.swap_mark(key, RERUN, current, None, 0):
+            return pending["arguments"]
+    raise _contended(backend, key, RERUN)
+
+
+def drop_dead_rerun(backend: Backend, key: str, task_id: str) -> Optional[str]:
+    """``task_id`` died while it was the pending rerun of ``key``: take it out of the
+    mark and the key's line, and return the arguments it was to run with, for a new
+    call to run them (None: it was not pending). The duplicates that joined it are
+    owed that run."""
+    arguments = take_rerun(backend, key, task_id)
+    if arguments is not None:
+        leave_line(backend, key, task_id)
+    return arguments
+
+
+def pending_rerun(backend: Backend, key: str) -> Optional[str]:
+    """The task id of the pending rerun of ``key``, if any (for the CLI)."""
+    pending = _pending(backend.read_mark(key, RERUN))
+    return None if pending is None else pending["task_id"]
+
+
+def _pending(current: Optional[str]) -> Optional[dict]:
+    """A rerun mark's value; None when absent."""
+    return None if current is None else json.loads(current)
+
+
+def _alive(backend: Backend, key: str, pending: dict, now: float) -> bool:
+    """Whether the task of a pending rerun can still come to run (``now``: store time).
+
+    It is alive while it stands in the key's line (its waiter renews that place every
+    ``lease_ttl / 3``; the place of a waiter that died lapses within ``lease_ttl``),
+    and until the ``until`` it was given when it joined or left on a requeue. A mark
+    written without ``until`` lives as long as the mark.
+    """
+    until = pending.get("until")
+    if not isinstance(until, (int, float)) or until > now:
+        return True
+    return pending["task_id"] in ids_of(backend.read_mark(key, LINE), now)
+
+
+def take_place(
+    backend: Backend, key: str, claimant: str, grace: float, priority: bool = False
+) -> int:
+    """Stand in the line of ``key`` for ``grace`` seconds, or renew one's place in it.
+
+    A newcomer goes to the back, or with ``priority`` behind the priority callers
+    already in line but ahead of everyone else. Returns the claimant's place
+    (0: first). Entries whose ``until`` has passed are dropped on the way.
+    """
+
+    def update(current: Optional[str]) -> str:
+        now = backend.store_time()
+        entries = entries_of(current, now)
+        mine = {"id": claimant, "until": now + grace, "priority": priority}
+        ids = [e["id"] for e in entries]  # of the live entries, not of ``current``
+        if claimant in ids:
+            entries[ids.index(claimant)] = mine
+        elif priority:  # priority entries stay together at the front
+            entries.insert(sum(e.get("priority") is True for e in entries), mine)
+        else:
+            entries.append(mine)
+        return json.dumps(entries)
+
+    return ids_of(_swap(backend, key, LINE, update, lambda line: _line_ttl(backend, line))).index(
+        claimant
+    )
+
+
+def leave_line(backend: Backend, key: str, claimant: str) -> None:
+    """Step out of the line of ``key`` (a waiter that gave up); nothing if not in it."""
+    for _ in range(ATTEMPTS):
+        current = backend.read_mark(key, LINE)
+        entries = entries_of(current)
+        rest = [e for e in entries if e["id"] != claimant]
+        if len(rest) == len(entries):
+            return
+        now = backend.store_time()
+        rest = [e for e in rest if until_of(e) > now]
+        new = json.dumps(rest) if rest else None
+        if backend.swap_mark(key, LINE, current, new, _line_ttl(backend, new, now)):
+            return
+    raise _contended(backend, key, LINE)
+
+
+def line_of(backend: Backend, key: str) -> list[str]:
+    """The ids in the line of ``key``, first first (for the CLI and messages)."""
+    return ids_of(backend.read_mark(key, LINE))
+
+
+def _line_ttl(backend: Backend, line: Optional[str], now: Optional[float] = None) -> float:
+    """A line lives as long as its longest-lived entry (in the store's time)."""
+    if now is None:
+        now = backend.store_time()
+    return max((until_of(e) for e in entries_of(line)), default=0.0) - now
+
+
+def claim_mark(backend: Backend, key: str, kind: str, value: str, ttl: float) -> str:
+    """Set the ``kind`` mark of ``key`` to ``value`` unless it holds another value;
+    return what it holds. Setting it again with the same value refreshes its ttl.
+    """
+    return _swap(backend, key, kind, lambda current: current or value, ttl, only_if=value)
+
+
+def clear_mark(backend: Backend, key: str, kind: str, value: str) -> bool:
+    """Delete the ``kind`` mark of ``key`` if it still holds ``value``: one
+    compare-and-swap, one round trip (a worker clears its call's queued mark after
+    every run)."""
+    return backend.swap_mark(key, kind, value, None, 0)
+
+
+def _swap(backend: Backend, key: str, kind: str, update, ttl, only_if: Optional[str] = None) -> str:
+    """Replace the ``kind`` mark of ``key`` by ``update(current)``; return the value it
+    ends up with.
+
+    ``ttl`` is seconds, or a function of the new value giving them. With ``only_if``,
+    a mark holding another value is left alone (and returned).
+    """
+    for _ in range(ATTEMPTS):
+        current = backend.read_mark(key, kind)
+        if only_if is not None and current not in (None, only_if):
+            return current
+        new = update(current)
+        if backend.swap_mark(key, kind, current, new, ttl(new) if callable(ttl) else ttl):
+            return new
+    raise _contended(backend, key, kind)
+
+
+def _contended(backend: Backend, key: str, kind: str) -> BackendUnavailable:
+    return BackendUnavailable(
+        f"the {kind} mark of {key!r} in {backend.safe_url} kept changing under {ATTEMPTS} "
+        "attempts to update it; the store is overloaded or something rewrites it in a loop.",
+        backend.safe_url,
+    )
+
+
+def finished_key(key: str, task_id: str) -> str:
+    """Where the finished mark of ``task_id`` on ``key`` lives: beside ``key`` (same
+    prefix, so the same store permissions cover it), one per task id.
+
+    The task id is appended as JSON after a NUL: JSON never contains a raw NUL, so the
+    last NUL tells key and id apart, and no two (key, task id) pairs share a mark.
+    """
+    return f"{key}\x00{json.dumps(task_id)}"
+
+
+def finished_attempt(backend: Backend, key: str, task_id: str) -> Optional[int]:
+    """The ``retries`` count of the last attempt of ``task_id`` on ``key`` that ended,
+    or None if none did (within the mark's ttl)."""
+    return attempt_of(finished_mark(backend, key, task_id))
+
+
+def finished_mark(backend: Backend, key: str, task_id: str) -> Optional[str]:
+    """The finished mark of ``task_id`` on ``key`` as stored (see :func:`attempt_of`)."""
+    return backend.read_mark(finished_key(key, task_id), DONE)
+
+
+def attempt_of(mark: Optional[str]) -> Optional[int]:
+    """The ``retries`` count a finished mark holds, or None for no mark."""
+    return None if mark is None else int(mark)
+
+
+def mark_finished(backend: Backend, key: str, task_id: str, retries: int, ttl: float) -> None:
+    """Record that attempt ``retries`` of ``task_id`` on ``key`` ended; keep the highest."""
+    name = finished_key(key, task_id)
+    for _ in range(ATTEMPTS):
+        current = backend.read_mark(name, DONE)
+        if current is not None and int(current) > retries:
+            return
+        if backend.swap_mark(name, DONE, current, str(retries), ttl):
+            return
+    raise _contended(backend, name, DONE)
+
+
+def mark_released(backend: Backend, key: str, tokens: list[int]) -> None:
+    """Remember that an operator freed the grants of ``key`` with these fencing tokens."""
+    if not backend.capabilities.marks or not tokens:
+        return
+
+    def update(current: Optional[str]) -> str:
+        return json.dumps(sorted({*json.loads(current or "[]"), *tokens}))
+
+    _swap(backend, key, RELEASED, update, RELEASED_TTL)
+
+
+def released_by_operator(backend: Backend, key: str, token: int) -> bool:
+    """Whether an operator freed the grant of ``key`` with fencing token ``token``."""
+    if not backend.capabilities.marks:
+        return False
+    return token in json.loads(backend.read_mark(key, RELEASED) or "[]")

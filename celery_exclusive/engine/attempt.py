@@ -1,0 +1,602 @@
+"""The attempt engine: one call of an exclusive task or job, from start to end.
+
+Celery's task class, RQ's job class and a function called directly all run a call the
+same way, here: take the key (or find what a duplicate gets under its policy), run the
+body under the lease, and end the attempt (record that it ended where its message may
+be delivered again, give the lease back). The host tells the engine what it can do
+(:class:`Host`: send the call again? may its message come twice?) and gets back ONE
+:class:`~celery_exclusive.engine.outcomes.Outcome`, which it carries out in its own
+terms. Nothing here knows Celery or RQ.
+
+    call = Call(name, task_id, key, settings, backend, args, kwargs)
+    outcome = run(call, Host(can_requeue=True), body)
+
+Each decision is made once: "no queue to go back to, so wait", "gave up after
+``requeue_max_retries`` requeues", "a copy of a call that runs now", "run without a
+lease because the store is down".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from contextvars import ContextVar, Token
+from typing import Any, Callable, Optional, Union
+
+from ..backends import Backend, FinalWrite
+from ..core import marks, policies, terminate
+from ..core.config import Settings
+from ..core.holders import NOBODY
+from ..core.lease import HeldLease, UnlockedLease
+from ..errors import BackendUnavailable, ExclusiveError, LeaseLost
+from . import outcomes
+from .outcomes import Outcome
+
+logger = logging.getLogger("celery_exclusive")
+
+AnyLease = Union[HeldLease, UnlockedLease]
+
+#: The body of a call: called with the arguments it runs with (a pending rerun's may
+#: differ from the call's own).
+Body = Callable[[tuple, dict], Any]
+
+
+def _never(exc: BaseException) -> bool:
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class Host:
+    """What the host running a call can do, as the engine needs to know it."""
+
+    #: Whether the call can be sent again later (a worker's call, with a queue): a
+    #: duplicate is requeued. Otherwise (a direct or eager call, a synchronous queue)
+    #: it waits in the key's line instead, and a store that does not answer fails it.
+    can_requeue: bool
+    #: Whether the call's message may be delivered twice, while or after it runs
+    #: (Celery's ``acks_late``): a copy is set aside or dropped, never run beside it.
+    redelivery: bool = False
+    #: Whether the message comes back by itself when its body is stopped by the loss
+    #: of its lease (Celery's ``acks_late`` with ``reject_on_worker_lost``).
+    redelivered_when_stopped: bool = False
+    #: With ``on_lease_lost="terminate"``: None stops nothing (the body runs in a
+    #: process that is not ours to signal), False interrupts the body, True may also
+    #: kill its process after ``terminate_grace`` (a pool child, a work horse).
+    stop_process: Optional[bool] = None
+    #: How long a finished mark lasts (with ``redelivery``): as long as a copy of the
+    #: message may still arrive.
+    finished_ttl: float = 0.0
+    #: Whether an exception leaving the body sends the same message back (Celery's
+    #: ``Reject(requeue=True)``): then the attempt has not ended.
+    comes_back: Callable[[BaseException], bool] = _never
+    #: The write that stores what a body returned with the release of its lease, in
+    #: one step (a Celery result, where the result backend is on the lease store's
+    #: server): called with the key and the result, in the body's thread, as the
+    #: attempt ends; None, or a call that answers None, leaves the result to the host.
+    result_write: Optional[Callable[[str, Any], Optional[FinalWrite]]] = None
+    #: What the host calls a call, in messages: ``task`` or ``job``.
+    noun: str = "task"
+    #: How the host spells a setting's name before ``<name>``: ``exclusive_`` on a
+    #: Celery task, nothing in ``@exclusive(...)``.
+    setting_prefix: str = "exclusive_"
+
+
+@dataclasses.dataclass
+class Call:
+    """One call, as the engine runs it."""
+
+    name: str
+    #: The task or job id; None for a direct call.
+    task_id: Optional[str]
+    key: str
+    settings: Settings
+    backend: Backend
+    args: tuple = ()
+    kwargs: dict = dataclasses.field(default_factory=dict)
+    #: How often this call was requeued already (drives the backoff and the limit).
+    requeues: int = 0
+    #: Which attempt of the task id this is (Celery's ``retries``): what a finished
+    #: mark records.
+    retries: int = 0
+    #: Whether an earlier attempt of this call started its body (and was stopped, or
+    #: failed): meeting a holder now, it is no duplicate to skip, only late, so it is
+    #: requeued under ``skip`` too.
+    resumed: bool = False
+
+
+_attempts: ContextVar[tuple[Attempt, ...]] = ContextVar("exclusive_attempts", default=())
+
+
+def current() -> Optional[Attempt]:
+    """The innermost attempt running its body in this thread (or task), if any."""
+    attempts = _attempts.get()
+    return attempts[-1] if attempts else None
+
+
+def current_lease() -> Optional[AnyLease]:
+    """The lease the innermost running body holds, if any."""
+    attempt = current()
+    return None if attempt is None else attempt.lease
+
+
+def held_here(key: str) -> Optional[Attempt]:
+    """The attempt running here that holds a lease on ``key``, if any."""
+    for attempt in reversed(_attempts.get()):
+        lease = attempt.lease
+        if isinstance(lease, HeldLease) and lease.key == key and not lease.released:
+            return attempt
+    return None
+
+
+def entered(attempt: Attempt) -> contextlib.AbstractContextManager[Attempt]:
+    """Make ``attempt`` the current one for the ``with`` block (its body runs there)."""
+    return _Entered(attempt)
+
+
+class _Entered:
+    """What :func:`entered` returns (a class: it is entered once per call)."""
+
+    __slots__ = ("attempt", "token")
+
+    def __init__(self, attempt: Attempt) -> None:
+        self.attempt = attempt
+        self.token: Optional[Token[tuple[Attempt, ...]]] = None
+
+    def __enter__(self) -> Attempt:
+        self.token = _attempts.set((*_attempts.get(), self.attempt))
+        return self.attempt
+
+    def __exit__(self, *exc_info: Any) -> bool:
+        token, self.token = self.token, None
+        if token is not None:  # left once, however often asked
+            _attempts.reset(token)
+        return False
+
+
+def run(call: Call, host: Host, body: Body) -> Outcome:
+    """Run ``call`` from start to end on ``host``; see :class:`Attempt`."""
+    return Attempt(call, host).run(body)
+
+
+class Attempt:
+    """One attempt of a call: claim, the duplicate's outcome, the body under the lease,
+    the end of the attempt."""
+
+    def __init__(self, call: Call, host: Host) -> None:
+        self.call = call
+        self.host = host
+        #: The lease the body runs under, once granted.
+        self.lease: Optional[AnyLease] = None
+        #: The call's finished mark as read when it took its key (with ``redelivery``):
+        #: what the end of the attempt swaps it from.
+        self._finished_mark: Optional[str] = None
+        self._finished_read = False
+        #: Set while the host sends this call again on the body's behalf (Celery's
+        #: ``retry()``): the lease goes back as the message goes out.
+        self.handing_off = False
+        #: Whether the body was stopped by the loss of its lease (``LeaseLost`` raised
+        #: out of it while the lease was lost).
+        self.stopped_by_loss = False
+        #: Whether what the body returned was stored with the release of its lease
+        #: (:attr:`Host.result_write`).
+        self.result_written = False
+
+    # --- the whole call ------------------------------------------------------------------
+
+    def run(self, body: Body) -> Outcome:
+        granted = self.claim()
+        if not isinstance(granted, Granted):
+            if isinstance(granted, Unlocked):
+                return self._run_unlocked(granted.lease, body)
+            return granted
+        holding = _Holding(self, granted.lease, granted.arguments)
+        try:
+            try:
+                with holding:
+                    result = body(granted.args, granted.kwargs)
+                    holding.returned(result)
+            except BaseException as exc:
+                holding.close(exc)  # what an exit cut short by an interrupt left undone
+                raise
+        except LeaseLost as exc:
+            if self.stopped_by_loss and self.host.redelivered_when_stopped:
+                return outcomes.Redelivered(granted.lease.key, exc)
+            if self.stopped_by_loss and self._requeues_lost():
+                return self._requeue_lost(granted.lease, granted.arguments)
+            raise
+        return outcomes.Ran(result, written=self.result_written)
+
+    # --- before the body -----------------------------------------------------------------
+
+    def claim(self) -> Union[Outcome, Granted, Unlocked]:
+        """Take the key, or decide what the call gets instead."""
+        call, settings, host = self.call, self.call.settings, self.host
+        if call.resumed and settings.on_duplicate == "skip":
+            settings = dataclasses.replace(settings, on_duplicate="requeue")
+        try:
+            outcome = policies.claim(
+                settings,
+                call.backend,
+                call.key,
+                call.name,
+                call.task_id,
+                requeues=call.requeues,
+                arguments=policies.encode_call(call.name, call.args, call.kwargs)
+                if settings.on_duplicate == "rerun" and call.task_id
+                else None,
+                redelivery=host.redelivery and bool(call.task_id),
+            )
+            if isinstance(outcome, policies.Run) and host.redelivery and call.task_id:
+                with outcome.lease.released_on_error():
+                    dropped = self._drop_if_finished(outcome)
+                if dropped is not None:
+                    return dropped
+        except BackendUnavailable as exc:
+            return self._without_store(exc)
+
+        if isinstance(outcome, policies.Redelivered):
+            return outcomes.SetAside(call.key, outcome.countdown, call.requeues + 1)
+        if isinstance(outcome, (outcomes.Skipped, outcomes.Coalesced)):
+            return outcome
+        if isinstance(outcome, policies.Requeue):
+            reason = "held by " + describe_holder(outcome.holder_task_id, outcome.holder, host.noun)
+            if host.can_requeue:
+                return self._requeue(outcome.countdown, reason, "held", outcome.holder_task_id)
+            return self._wait_inline(reason, outcome.holder_task_id)
+        if outcome.arguments:
+            args, kwargs = policies.decode_call(outcome.arguments)
+            return Granted(outcome.lease, args, kwargs, outcome.arguments)
+        return Granted(outcome.lease, call.args, call.kwargs)
+
+    def _requeue(
+        self, countdown: float, reason: str, cause: str, holder: Optional[str] = None
+    ) -> Union[outcomes.Requeue, outcomes.GaveUp]:
+        """Send the call again after ``countdown``: unless it was requeued
+        ``requeue_max_retries`` times already."""
+        requeues, limit = self.call.requeues, self.call.settings.requeue_max_retries
+        if limit is not None and requeues >= limit:
+            return outcomes.GaveUp(self.call.key, requeues, reason, cause, holder)
+        return outcomes.Requeue(self.call.key, countdown, reason, cause, requeues + 1, holder)
+
+    def _wait_inline(self, reason: str, holder: Optional[str]) -> Union[outcomes.Waited, Granted]:
+        """No queue to go back to: wait in the key's line instead, up to ``wait_timeout``."""
+        call = self.call
+        lease = policies.wait_for(call.settings, call.backend, call.key, call.name, call.task_id)
+        if lease is None:
+            return outcomes.Waited(call.key, reason, call.settings.wait_timeout, holder)
+        return Granted(lease, call.args, call.kwargs)
+
+    def _without_store(self, exc: BackendUnavailable) -> Union[Outcome, Unlocked]:
+        """The store did not answer: run unlocked, requeue, or fail, as
+        ``on_backend_error`` and the host allow."""
+        call, host = self.call, self.host
+        label = f"{call.name}[{call.task_id}]" if call.task_id else f"{call.name} (called directly)"
+        message = f"{label}: cannot take the lease on {call.key!r}: {exc}"
+        setting = f"{host.setting_prefix}on_backend_error"
+        if call.settings.on_backend_error == "run":
+            logger.warning("%s -- running WITHOUT a lease (%s='run')", message, setting)
+            return Unlocked(UnlockedLease(call.key, call.name, call.task_id, str(exc)))
+        if not host.can_requeue:
+            return outcomes.Unanswered(call.key, exc)
+        logger.warning("%s -- requeued (%s='requeue')", message, setting)
+        countdown = policies.requeue_delay(call.settings, call.requeues)
+        return self._requeue(countdown, "the lease store did not answer", "unanswered")
+
+    def _drop_if_finished(self, outcome: policies.Run) -> Optional[outcomes.Dropped]:
+        """A copy of an attempt that has ended took the key: give it back, end quietly.
+
+        The finished mark read here (with the grant, where the store could) is kept:
+        at the end of the attempt it is what the mark is swapped from.
+        """
+        lease, call = outcome.lease, self.call
+        if outcome.finished_read:
+            mark = outcome.finished
+        else:
+            mark = marks.finished_mark(lease.backend, lease.key, call.task_id or "")
+        self._finished_mark, self._finished_read = mark, True
+        finished = marks.attempt_of(mark)
+        if finished is None or finished < call.retries:
+            return None
+        lease.release()
+        return outcomes.Dropped(lease.key)
+
+    # --- the body --------------------------------------------------------------------------
+
+    def _run_unlocked(self, lease: UnlockedLease, body: Body) -> outcomes.Ran:
+        """``on_backend_error="run"``: the body runs without a lease, and says so."""
+        self.lease = lease
+        with entered(self):
+            return outcomes.Ran(body(self.call.args, self.call.kwargs))
+
+    def holding(self, lease: AnyLease) -> contextlib.AbstractContextManager[AnyLease]:
+        """Run the ``with`` block as the body under ``lease``, and end the attempt on
+        every exit.
+
+        With ``on_lease_lost="terminate"`` and a host that lets it, a body whose lease
+        is lost is stopped (:func:`celery_exclusive.core.terminate.stop_on_loss`). Under
+        ``terminate`` and ``abort`` a body whose lease was lost fails with ``LeaseLost``
+        when it returns: its result is not to be trusted.
+        """
+        return _Holding(self, lease)
+
+    # --- a body stopped by the loss of its lease ----------------------------------------------
+
+    def _requeues_lost(self) -> bool:
+        """Whether a body stopped by the loss of its lease is sent again (``requeue_lost``),
+        which only a host with a queue can do, and only ``requeue_max_retries`` times."""
+        settings, requeues = self.call.settings, self.call.requeues
+        limit = settings.requeue_max_retries
+        return (
+            settings.requeue_lost and self.host.can_requeue and (limit is None or requeues < limit)
+        )
+
+    def _requeue_lost(self, lease: AnyLease, arguments: Optional[str]) -> outcomes.Requeue:
+        """Send the stopped call again: it takes a fresh lease when it comes back, under
+        its duplicate policy like any call, and is no duplicate of the run it resumes.
+
+        It resumes the run with the arguments that run had: ``arguments``, those of the
+        pending rerun it ran as (JSON, as stored), or else its own."""
+        call = self.call
+        reason = f"its lease was lost ({getattr(lease, 'lost_reason', None)})"
+        countdown = policies.requeue_delay(call.settings, call.requeues)
+        return _resumed(
+            outcomes.Requeue(call.key, countdown, reason, "lost", call.requeues + 1), arguments
+        )
+
+    # --- the end ---------------------------------------------------------------------------
+
+    def finish(self, ended: bool = True, write: Optional[FinalWrite] = None) -> None:
+        """Release the lease; first, if the attempt ended and its message may come
+        again, record that it ended. With ``write`` (the body's result, as the host
+        stores it), make it in the same step, only if the lease was still held.
+
+        The record (a finished mark per task id, kept past the time a copy may still
+        arrive) is written while the lease is still held, so a copy of the message
+        that takes the key after the release always finds it.
+        """
+        lease = self.lease
+        if not isinstance(lease, HeldLease) or lease.released:
+            return
+        call = self.call
+        if ended and self.host.redelivery and call.task_id:
+            try:
+                if self._record_end_and_release(lease, write):
+                    return
+            except ExclusiveError as exc:
+                logger.warning(
+                    "could not record that %s[%s] ended (%s): a copy of its message "
+                    "delivered again may run it once more",
+                    call.name,
+                    call.task_id,
+                    exc,
+                )
+        if write is not None:
+            self.result_written = bool(lease.release_and_write(write))
+        else:
+            lease.release()
+
+    def _record_end_and_release(self, lease: HeldLease, write: Optional[FinalWrite]) -> bool:
+        """Write the finished mark of this attempt; True if the lease went back with it
+        (and ``write`` was made with it, where it could be).
+
+        The mark as read when the call took its key is what it is swapped from, so
+        mark and release go in one round trip where the store can. Should the mark
+        have changed meanwhile, it is written the long way, and the caller releases.
+        """
+        call, ttl = self.call, self.host.finished_ttl
+        task_id = call.task_id or ""
+        if self._finished_read:
+            finished = marks.attempt_of(self._finished_mark)
+            if finished is None or finished < call.retries:
+                mark = (marks.finished_key(lease.key, task_id), marks.DONE)
+                expected, new = self._finished_mark, str(call.retries)
+                if write is not None:
+                    written = lease.release_and_write(write, (mark, expected, new, ttl))
+                    if written is not None:
+                        self.result_written = written
+                        return True
+                elif lease.release_after_mark(mark, expected, new, ttl) is not None:
+                    return True
+        marks.mark_finished(lease.backend, lease.key, task_id, call.retries, ttl)
+        return False
+
+
+def owed_rerun(backend: Backend, key: str, task_id: Optional[str]) -> Optional[tuple[tuple, dict]]:
+    """The call ``task_id`` died (its process killed, its job stopped) without ending
+    its attempt: if it was the pending rerun of ``key``, the duplicates that joined it
+    are owed its run. Returns the arguments for the host to send a new call with (it
+    becomes the pending rerun, or runs), or None."""
+    if not task_id:
+        return None
+    arguments = marks.drop_dead_rerun(backend, key, task_id)
+    return None if arguments is None else policies.decode_call(arguments)
+
+
+def rerun_of_killed(
+    settings: Settings, key: str, requeues: int, arguments: Optional[str] = None
+) -> Optional[outcomes.Requeue]:
+    """A call whose process was killed because its body did not stop within
+    ``terminate_grace`` of losing its lease: it is sent again, as a body that stopped
+    would be (``requeue_lost``, up to ``requeue_max_retries`` requeues), by the host
+    that saw the process die. Returns the requeue, or None if the call stays failed.
+
+    ``arguments``: those of the pending rerun the killed body ran as (JSON, as its kill
+    note carries them), which the call is sent again with; None: its own."""
+    limit = settings.requeue_max_retries
+    if not settings.requeue_lost or (limit is not None and requeues >= limit):
+        return None
+    reason = "its lease was lost and its process killed when its body did not stop"
+    countdown = policies.requeue_delay(settings, requeues)
+    return _resumed(outcomes.Requeue(key, countdown, reason, "lost", requeues + 1), arguments)
+
+
+def _resumed(requeue: outcomes.Requeue, arguments: Optional[str]) -> outcomes.Requeue:
+    """``requeue``, carrying the arguments of the pending rerun its call ran as, if it
+    did (decoded anew from the stored JSON: as the duplicate gave them, whatever the
+    body did to the objects it was handed)."""
+    if arguments is None:
+        return requeue
+    args, kwargs = policies.decode_call(arguments)
+    return dataclasses.replace(requeue, args=args, kwargs=kwargs)
+
+
+class _Holding:
+    """What :meth:`Attempt.holding` returns: the body's ``with`` block under its lease.
+
+    A class rather than a generator-based context manager (it is entered once per
+    call); it does what this would, in this order::
+
+        with entered(attempt), stop_on_loss(lease):  # if the body is to be stopped
+            yield lease
+        # ... then, on every exit, attempt.finish(ended), and for a lost lease whose
+        # body returned, LeaseLost.
+    """
+
+    __slots__ = ("attempt", "lease", "arguments", "entered", "stop", "write", "finished")
+
+    def __init__(self, attempt: Attempt, lease: AnyLease, arguments: Optional[str] = None) -> None:
+        self.attempt = attempt
+        self.lease = lease
+        #: The pending rerun's arguments (JSON) the body runs with, if it runs as one:
+        #: a process killed for not stopping notes them for the host that sends it again.
+        self.arguments = arguments
+        self.entered = _Entered(attempt)
+        self.stop: Optional[contextlib.AbstractContextManager[None]] = None
+        #: The write that stores the body's result with the release (see
+        #: :meth:`returned`).
+        self.write: Optional[FinalWrite] = None
+        #: Whether the attempt was ended (:meth:`_end` got to ``finish``).
+        self.finished = False
+
+    def returned(self, result: Any) -> None:
+        """The body returned ``result``: ask the host for the write that stores it with
+        the release of the lease, if the lease's store can make one."""
+        result_write = self.attempt.host.result_write
+        lease = self.lease
+        if (
+            result_write is not None
+            and isinstance(lease, HeldLease)
+            and lease.backend.capabilities.final_writes
+        ):
+            self.write = result_write(lease.key, result)
+
+    def __enter__(self) -> AnyLease:
+        attempt, lease = self.attempt, self.lease
+        settings, host = attempt.call.settings, attempt.host
+        attempt.lease = lease
+        self.entered.__enter__()
+        if (
+            settings.on_lease_lost == "terminate"
+            and host.stop_process is not None
+            and isinstance(lease, HeldLease)
+        ):
+            stop = terminate.stop_on_loss(
+                lease, settings.terminate_grace, host.stop_process, self.arguments
+            )
+            try:
+                stop.__enter__()
+            except BaseException as exc:
+                self._end(exc)  # raises: leaves, ends the attempt, as the exit would
+                raise
+            self.stop = stop
+        return lease
+
+    def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> bool:
+        try:
+            self._end(exc)
+        except BaseException as raised:
+            if raised is exc:
+                return False  # the body's own exception goes on, unchanged
+            raise
+        return False
+
+    def close(self, error: BaseException) -> None:
+        """After ``error`` left the ``with`` block: do what its exit did not get to.
+
+        The loss's interrupt raises LeaseLost wherever the body's thread is, once, and
+        it may land as the exit begins, before the stopper was left (its grace timer
+        would kill the process later, under another call) or the attempt ended (its
+        lease would be held, and renewed, for as long as the process lives). Each step
+        is done once: nothing here is done twice.
+        """
+        with contextlib.suppress(BaseException):  # ``error`` is what goes on
+            self._leave(error)
+        if not self.finished:
+            attempt, lease = self.attempt, self.lease
+            attempt.stopped_by_loss = isinstance(error, LeaseLost) and lease.lost
+            ended = not (
+                attempt.stopped_by_loss
+                and (attempt.host.redelivered_when_stopped or attempt._requeues_lost())
+            )
+            self.finished = True
+            attempt.finish(ended)
+
+    def _leave(self, error: Optional[BaseException]) -> None:
+        """Leave the inner contexts, innermost first, as nested ``with`` blocks do; each
+        once (a stopper left is forgotten only once its exit has run)."""
+        try:
+            stop = self.stop
+            if stop is not None:
+                tb = None if error is None else error.__traceback__
+                stop.__exit__(None if error is None else type(error), error, tb)
+                self.stop = None
+        finally:
+            self.entered.__exit__(None, None, None)
+
+    def _end(self, error: Optional[BaseException]) -> None:
+        """End the attempt after the body (``error``: what left it, None if it returned)."""
+        attempt, lease = self.attempt, self.lease
+        settings, host = attempt.call.settings, attempt.host
+        ended = True  # False when the call's message comes back: the attempt goes on
+        write = None  # the result's write, once the body is known to have returned
+        try:
+            self._leave(error)
+            if error is not None:
+                raise error
+            # A loss found as the body returns stops it there: its result is not trusted.
+            attempt.stopped_by_loss = lease.lost and settings.on_lease_lost != "log"
+            write = self.write
+        except LeaseLost:
+            attempt.stopped_by_loss = lease.lost
+            raise
+        except BaseException as exc:
+            if host.comes_back(exc):
+                ended = False
+            raise
+        finally:
+            if attempt.stopped_by_loss and (
+                host.redelivered_when_stopped or attempt._requeues_lost()
+            ):
+                ended = False  # it runs again: this attempt did not end
+            self.finished = True
+            attempt.finish(ended, write)
+        if lease.lost and settings.on_lease_lost != "log":
+            lease.ensure_held()  # raises LeaseLost: the result is not to be trusted
+
+
+@dataclasses.dataclass(frozen=True)
+class Granted:
+    """The key was taken: the body runs under ``lease`` with these arguments."""
+
+    lease: HeldLease
+    args: tuple
+    kwargs: dict
+    #: When the call runs as the pending rerun of its key: the rerun's arguments as
+    #: stored (JSON), which ``args`` and ``kwargs`` are; a call stopped by the loss of
+    #: its lease is sent again with them. None: the call's own.
+    arguments: Optional[str] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Unlocked:
+    """The store did not answer and ``on_backend_error="run"``: run under ``lease``."""
+
+    lease: UnlockedLease
+
+
+def describe_holder(
+    task_id: Optional[str], holder: Optional[str] = None, noun: str = "task"
+) -> str:
+    """Whom a duplicate yielded to, in words."""
+    return f"{noun} {task_id}" if task_id else holder or NOBODY

@@ -1,0 +1,264 @@
+"""Beyond a mutex, on real workers: semaphores, coalesced reruns, priority handoff,
+first-come-first-served waiters and enqueue-time dedup. Three worker processes
+(prefork, concurrency 4), Redis store.
+
+Concurrency 4 leaves every worker a free child while one runs the holder and another
+waits as the pending rerun: a worker whose children are all busy keeps the messages
+it prefetched until one frees up, and those would arrive after the run they duplicate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from celery_exclusive import DuplicateCoalesced, backend_for_url
+from celery_exclusive.core import marks
+from celery_exclusive.core.lock import ExclusiveLock
+from tests.support.apps import ledger as ledger_app
+from tests.support.cluster import Stack, start_holding, wait_until
+from tests.support.workers import read_ledger
+
+
+@pytest.fixture(scope="module")
+def stack(redis_server, client_dbs, tmp_path_factory):
+    stack = Stack(redis_server, *client_dbs, "redis", tmp_path_factory)
+    with stack.running(*(stack.worker(f"c{i}", concurrency=4) for i in range(3))):
+        yield stack
+
+
+def most_at_once(entries: list[dict]) -> int:
+    """The largest number of runs in progress at the same instant."""
+    edges = sorted([(e["start"], 1) for e in entries] + [(e["end"], -1) for e in entries])
+    running = peak = 0
+    for _, step in edges:
+        running += step
+        peak = max(peak, running)
+    return peak
+
+
+# --- semaphores ---------------------------------------------------------------------
+
+
+def test_a_limit_of_two_never_runs_three_at_once(cluster):
+    results = [ledger_app.hold_two.delay("pool", 0.2) for _ in range(24)]
+    assert all(r.get(timeout=60) for r in results)
+    entries = read_ledger(cluster.ledger)
+    assert len(entries) == 24
+    assert most_at_once(entries) == 2
+
+
+def test_slots_of_a_limit_recover_after_their_holders_are_killed(cluster):
+    first = ledger_app.hold_two.delay("pool", 30)
+    second = ledger_app.hold_two.delay("pool", 30)
+    assert wait_until(lambda: len(cluster.holders("pool")) == 2, timeout=15)
+    for info in cluster.holders("pool"):
+        os.kill(info.holder["pid"], signal.SIGKILL)
+    entries = [ledger_app.hold_two.delay("pool", 0).get(timeout=20) for _ in range(2)]
+    assert len(entries) == 2
+    del first, second
+
+
+# --- coalesced reruns ----------------------------------------------------------------
+
+
+def versions(cluster) -> list[int]:
+    return [json.loads(v)["version"] for v in cluster.ledger.lrange("versions", 0, -1)]
+
+
+def test_fifty_duplicate_webhooks_during_one_run_give_exactly_one_follow_up(cluster):
+    holder = start_holding(ledger_app.webhook, "calendar", 3.0, cluster, args=(0,))
+    duplicates = [ledger_app.webhook.delay("calendar", v) for v in range(1, 51)]
+    outcomes = [d.get(timeout=60, propagate=False) for d in duplicates]
+    holder.get(timeout=30)
+    ran = [o for o in outcomes if isinstance(o, dict)]
+    coalesced = [o for o in outcomes if isinstance(o, DuplicateCoalesced)]
+    assert len(ran) == 1 and len(coalesced) == 49
+    assert {c.holder_task_id for c in coalesced} == {duplicates[outcomes.index(ran[0])].id}
+    assert len(read_ledger(cluster.ledger)) == 2
+    follow_up = versions(cluster)[1]
+    assert follow_up in range(1, 51)
+    assert ran[0]["start"] >= read_ledger(cluster.ledger)[0]["end"]
+
+
+def test_the_pending_rerun_still_runs_when_the_holder_is_killed(cluster):
+    start_holding(ledger_app.webhook, "calendar", 30, cluster, args=(0,))
+    [info] = cluster.holders("calendar")
+    duplicates = [ledger_app.webhook.delay("calendar", v) for v in range(1, 11)]
+    assert wait_until(lambda: sum(d.state == "FAILURE" for d in duplicates) == 9, timeout=20), (
+        "nine duplicates should coalesce into the pending one"
+    )
+    os.kill(info.holder["pid"], signal.SIGKILL)
+    outcomes = [d.get(timeout=30, propagate=False) for d in duplicates]
+    assert sum(isinstance(o, dict) for o in outcomes) == 1
+    assert len(read_ledger(cluster.ledger)) == 1  # the killed holder recorded nothing
+
+
+def test_the_run_a_pending_rerun_owed_goes_to_a_new_call_when_its_worker_dies(cluster):
+    # No acks_late: the message of a pending rerun whose worker dies is gone for good.
+    holder = start_holding(ledger_app.webhook, "calendar", 8, cluster, args=(0,))
+    pending = ledger_app.webhook.delay("calendar", 1)
+    store = backend_for_url(cluster.store)
+    rerun = lambda: marks.pending_rerun(store, "exclusive:calendar")  # noqa: E731
+    assert wait_until(lambda: rerun() == pending.id, 10)
+    waiter = next(
+        s["pid"]
+        for s in map(json.loads, cluster.ledger.lrange("signals", 0, -1))
+        if s["task_id"] == pending.id and s.get("policy") == "rerun"
+    )
+    os.kill(waiter, signal.SIGKILL)
+    # The worker's main process hands the run on: a new call becomes the pending rerun.
+    assert wait_until(lambda: rerun() not in (None, pending.id), 10), rerun()
+    owed = rerun()
+    follow_up = ledger_app.webhook.delay("calendar", 2)
+    with pytest.raises(DuplicateCoalesced, match=owed):
+        follow_up.get(timeout=30)
+    ran = ledger_app.webhook.AsyncResult(owed).get(timeout=60)
+    assert ran["version"] == 2  # the follow-up's change, seen by the owed run
+    assert ran["start"] >= holder.get(timeout=60)["end"]
+    assert versions(cluster) == [0, 2]
+
+
+def run_as_pending_rerun(cluster, task, key: str, *extra) -> tuple[object, object]:
+    """Hold ``key`` here while ``task(key, 1, *extra)`` becomes its pending rerun and
+    ``task(key, 2|3, *extra)`` coalesce into it, then free it: the pending call runs
+    with the newest arguments, version 3. Return its result and its holder info."""
+    store = backend_for_url(cluster.store)
+    with ExclusiveLock("exclusive:" + key, cluster.store, cluster.ttl, name="test holder"):
+        pending = task.delay(key, 1, *extra)
+        assert wait_until(lambda: marks.pending_rerun(store, "exclusive:" + key) == pending.id, 15)
+        for version in (2, 3):
+            with pytest.raises(DuplicateCoalesced):
+                task.delay(key, version, *extra).get(timeout=30)
+    assert wait_until(lambda: cluster.holders(key), timeout=15), "the pending rerun never ran"
+    [holder] = cluster.holders(key)
+    assert holder.task_id == pending.id
+    return pending, holder
+
+
+def holds_anew(cluster, key: str, stopped) -> bool:
+    """Whether ``key`` is held again, under a later grant than ``stopped``'s."""
+    return [info.fencing_token > stopped.fencing_token for info in cluster.holders(key)] == [True]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as stat:  # a zombie is dead too
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+
+
+def test_a_pending_rerun_stopped_by_its_lost_lease_runs_again_with_the_pending_arguments(
+    cluster,
+):
+    pending, first = run_as_pending_rerun(cluster, ledger_app.webhook, "resumed", 30.0)
+    backend_for_url(cluster.store).force_release("exclusive:resumed")
+    # Stopped at its next renewal, sent again, and holding the key under a new grant.
+    assert wait_until(lambda: holds_anew(cluster, "resumed", first), timeout=cluster.ttl + 10)
+    cluster.ledger.set("release:resumed", 1)  # the run that follows may end now
+    rerun = pending.get(timeout=30)
+    assert rerun["version"] == 3, "the coalesced duplicates' change was lost"
+    assert rerun["requeues"] == 1 and rerun["token"] > first.fencing_token
+
+
+def test_a_pending_rerun_killed_for_its_lost_lease_runs_again_with_the_pending_arguments(
+    cluster,
+):
+    pending, first = run_as_pending_rerun(cluster, ledger_app.stubborn_webhook, "revived")
+    pid = first.holder["pid"]
+    backend_for_url(cluster.store).force_release("exclusive:revived")
+    # Found lost within ttl / 3; killed when it has not stopped 1 s (its grace) later.
+    assert wait_until(lambda: not alive(pid), timeout=cluster.ttl + 5), "never killed"
+    assert wait_until(lambda: holds_anew(cluster, "revived", first), timeout=cluster.ttl + 10)
+    cluster.ledger.set("release:revived", 1)
+    rerun = pending.get(timeout=30)
+    assert rerun["version"] == 3, "the coalesced duplicates' change was lost"
+    assert rerun["pid"] != pid and rerun["token"] > first.fencing_token
+
+
+# --- priority handoff -------------------------------------------------------------------
+
+
+def test_a_priority_caller_gets_the_key_next_despite_ten_requeueing_contenders(cluster):
+    holder = start_holding(ledger_app.hold_requeue, "report", 1.5, cluster)
+    ordinary = [ledger_app.hold_requeue.delay("report", 0.05) for _ in range(10)]
+    time.sleep(0.3)  # the ten are requeueing now
+    urgent = ledger_app.nightly.delay("report", 0.05)
+    assert urgent.get(timeout=30)["priority"]
+    assert all(o.get(timeout=60) for o in ordinary)
+    holder.get(timeout=60)
+    order = [e["task_id"] for e in sorted(read_ledger(cluster.ledger), key=lambda e: e["start"])]
+    assert order[:2] == [holder.id, urgent.id]
+    assert len(order) == 12
+
+
+def test_a_priority_callers_turn_lapses_when_it_dies(cluster):
+    start_holding(ledger_app.hold_skip, "report", 30, cluster)
+    urgent = ledger_app.nightly.delay("report", 0)
+    store = backend_for_url(cluster.store)
+    assert wait_until(lambda: store.read_mark("exclusive:report", "line"), timeout=10)
+    reserver = next(
+        s["pid"]
+        for s in map(json.loads, cluster.ledger.lrange("signals", 0, -1))
+        if s["task_id"] == urgent.id and s.get("policy") == "priority"
+    )
+    os.kill(reserver, signal.SIGKILL)
+    assert wait_until(lambda: not store.read_mark("exclusive:report", "line"), cluster.ttl + 1)
+
+
+# --- first come, first served -----------------------------------------------------------
+
+
+def test_waiters_are_served_in_the_order_they_started_waiting(cluster):
+    holder = start_holding(ledger_app.hold_wait, "queue", 3.0, cluster)
+    store = backend_for_url(cluster.store)
+    waiters = []
+    for _ in range(6):
+        waiter = ledger_app.hold_wait.delay("queue", 0.05)
+        in_line = wait_until(lambda w=waiter: w.id in marks.line_of(store, "exclusive:queue"), 10)
+        assert in_line, "the waiter never stood in line"
+        waiters.append(waiter)
+    # Contenders asking again and again all along must not get in ahead of the line.
+    requeueing = [ledger_app.hold_requeue.delay("queue", 0.05) for _ in range(5)]
+    assert all(w.get(timeout=60) for w in waiters + requeueing)
+    holder.get(timeout=60)
+    order = [e["task_id"] for e in sorted(read_ledger(cluster.ledger), key=lambda e: e["start"])]
+    assert order[:7] == [holder.id] + [w.id for w in waiters]
+    assert len(order) == 12
+
+
+# --- enqueue-time dedup -------------------------------------------------------------------
+
+
+def test_a_hundred_delays_for_one_key_send_one_message(cluster):
+    results = [ledger_app.enqueued_once.delay("export", 0.5) for _ in range(100)]
+    assert len({r.id for r in results}) == 1
+    results[0].get(timeout=20)
+    assert len(read_ledger(cluster.ledger)) == 1
+
+
+def test_after_the_run_ends_the_key_can_be_enqueued_again(cluster):
+    first = ledger_app.enqueued_once.delay("export", 0)
+    first.get(timeout=20)
+    second = ledger_app.enqueued_once.delay("export", 0)
+    assert second.id != first.id
+    second.get(timeout=20)
+
+
+def test_a_task_that_retries_itself_three_times_completes(cluster):
+    entry = ledger_app.enqueued_retrying.delay("retried").get(timeout=30)
+    assert entry["retries"] == 3
+
+
+def test_a_task_sent_by_name_is_still_covered_by_the_run_time_lease(cluster):
+    holder = start_holding(ledger_app.enqueued_once, "export", 1.0, cluster)
+    by_name = ledger_app.app.send_task(ledger_app.enqueued_once.name, args=("export", 0))
+    assert by_name.id != holder.id
+    with pytest.raises(Exception, match="skipped"):
+        by_name.get(timeout=60)

@@ -1,0 +1,73 @@
+"""What a worker checks about its lease stores before the first task, and how a store
+that cannot be used is reported."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+
+import pytest
+
+from celery_exclusive import ConfigurationError
+from celery_exclusive.backends.sqlite import SQLiteBackend
+from tests.support.apps import ledger as ledger_app
+from tests.support.cluster import Stack
+from tests.support.servers import free_port
+
+
+def test_a_worker_whose_store_does_not_answer_warns_once_at_start_then_requeues(
+    redis_server, client_dbs, tmp_path_factory
+):
+    unreachable = f"redis://127.0.0.1:{free_port()}/0"
+    stack = Stack(redis_server, *client_dbs, unreachable, tmp_path_factory)
+    with stack.running(stack.worker("w1", concurrency=1)) as running:
+        [worker] = running.workers
+        ledger_app.hold_requeue.delay("nobody-home", 0)
+        worker.wait_for_log("requeued until the lease store answers", timeout=20)
+    output = worker.output()
+    warnings = [line for line in output.splitlines() if "does not answer at start" in line]
+    assert len(warnings) == 1, warnings
+    assert "WARNING" in warnings[0] and "requeued" in warnings[0]
+    assert "duplicate requeued" not in output
+
+
+def test_a_sqlite_store_that_names_a_directory_is_refused_naming_the_path(tmp_path):
+    with pytest.raises(ConfigurationError, match="names a directory") as info:
+        SQLiteBackend(f"sqlite:///{tmp_path}").check("exclusive:probe")
+    assert str(tmp_path) in str(info.value)
+
+
+def test_a_sqlite_store_that_names_another_kind_of_file_is_refused(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("not a database, but long enough to have a header")
+    with pytest.raises(ConfigurationError, match="not a SQLite database") as info:
+        SQLiteBackend(f"sqlite:///{path}").check("exclusive:probe")
+    assert "exclusive_backend_url" in str(info.value)
+
+
+@contextlib.contextmanager
+def unwritable(path: str):
+    """Make the file at ``path`` unwritable even for root (the immutable attribute), or
+    by mode for anyone else."""
+    if os.getuid() != 0:
+        os.chmod(path, 0o444)
+        yield
+        os.chmod(path, 0o644)
+        return
+    if subprocess.run(["chattr", "+i", path], capture_output=True).returncode != 0:
+        pytest.skip("root cannot make a file unwritable here (chattr +i refused)")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", path], check=True)
+
+
+def test_a_database_this_user_cannot_write_is_a_configuration_error_not_an_outage(tmp_path):
+    url = f"sqlite:///{tmp_path}/leases.db"
+    setup = SQLiteBackend(url)
+    setup.release(setup.try_acquire("k", "owner", 10))
+    setup.close()
+    with unwritable(f"{tmp_path}/leases.db"), pytest.raises(ConfigurationError) as raised:
+        SQLiteBackend(url).try_acquire("k", "me", 10)
+    assert "readonly" in str(raised.value) and "exclusive_backend_url" in str(raised.value)

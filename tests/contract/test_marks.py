@@ -1,0 +1,134 @@
+"""Lines of waiters, pending reruns and enqueue marks, on every store."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from celery_exclusive.backends.line import LINE
+from celery_exclusive.core import marks
+
+
+@pytest.fixture
+def store(backend):
+    assert backend.capabilities.marks
+    return backend
+
+
+def test_the_first_duplicate_becomes_the_pending_rerun(store):
+    assert marks.join_rerun(store, "k", "first", "a1", 10) == "first"
+    assert marks.join_rerun(store, "k", "second", "a2", 10) == "first"
+    assert marks.pending_rerun(store, "k") == "first"
+
+
+def test_the_pending_rerun_takes_the_latest_arguments(store):
+    marks.join_rerun(store, "k", "first", "a1", 10)
+    marks.join_rerun(store, "k", "second", "a2", 10)
+    marks.join_rerun(store, "k", "third", "a3", 10)
+    assert marks.take_rerun(store, "k", "first") == "a3"
+
+
+def test_with_first_the_pending_rerun_keeps_its_own_arguments(store):
+    marks.join_rerun(store, "k", "first", "a1", 10, latest=False)
+    marks.join_rerun(store, "k", "second", "a2", 10, latest=False)
+    assert marks.take_rerun(store, "k", "first") == "a1"
+
+
+def test_the_pending_rerun_rejoining_keeps_the_newer_arguments(store):
+    marks.join_rerun(store, "k", "first", "a1", 10)
+    marks.join_rerun(store, "k", "second", "a2", 10)
+    assert marks.join_rerun(store, "k", "first", "a1", 10) == "first"
+    assert marks.take_rerun(store, "k", "first") == "a2"
+
+
+def test_only_the_pending_rerun_can_take_it_and_only_once(store):
+    marks.join_rerun(store, "k", "first", "a1", 10)
+    assert marks.take_rerun(store, "k", "second") is None
+    assert marks.take_rerun(store, "k", "first") == "a1"
+    assert marks.take_rerun(store, "k", "first") is None
+    assert marks.join_rerun(store, "k", "later", "a9", 10) == "later"
+
+
+#: How long a pending rerun counts as alive in the tests below, and a wait past it.
+ALIVE_FOR, PAST_IT = 0.3, 0.6
+
+
+def test_a_duplicate_takes_the_place_of_a_pending_rerun_that_is_no_longer_alive(store):
+    marks.join_rerun(store, "k", "dead", "a1", 10, alive_for=ALIVE_FOR)
+    time.sleep(PAST_IT)  # it never stood in line, nor was it requeued
+    assert marks.join_rerun(store, "k", "next", "a2", 10, alive_for=ALIVE_FOR) == "next"
+    assert marks.take_rerun(store, "k", "dead") is None
+    assert marks.take_rerun(store, "k", "next") == "a2"
+
+
+def test_a_pending_rerun_standing_in_line_stays_pending(store):
+    marks.join_rerun(store, "k", "waiting", "a1", 10, alive_for=ALIVE_FOR)
+    marks.take_place(store, "k", "waiting", 10)
+    time.sleep(PAST_IT)
+    assert marks.join_rerun(store, "k", "later", "a2", 10, alive_for=ALIVE_FOR) == "waiting"
+
+
+def test_a_pending_rerun_away_on_a_requeue_stays_pending_until_it_is_due_back(store):
+    marks.join_rerun(store, "k", "away", "a1", 10, alive_for=ALIVE_FOR)
+    assert marks.rerun_away(store, "k", "away", PAST_IT * 2, 10) == "away"
+    time.sleep(PAST_IT)
+    assert marks.join_rerun(store, "k", "later", "a2", 10, alive_for=ALIVE_FOR) == "away"
+    time.sleep(PAST_IT * 1.5)
+    assert marks.join_rerun(store, "k", "later", "a2", 10, alive_for=ALIVE_FOR) == "later"
+
+
+def test_only_the_pending_rerun_itself_can_say_it_is_away(store):
+    marks.join_rerun(store, "k", "pending", "a1", 10)
+    assert marks.rerun_away(store, "k", "other", 10, 10) == "pending"
+    assert marks.rerun_away(store, "empty", "other", 10, 10) is None
+
+
+def test_waiters_stand_in_line_in_the_order_they_came(store):
+    assert [marks.take_place(store, "k", c, 10) for c in ("a", "b", "c")] == [0, 1, 2]
+    assert marks.line_of(store, "k") == ["a", "b", "c"]
+
+
+def test_renewing_a_place_keeps_it(store):
+    for claimant in ("a", "b"):
+        marks.take_place(store, "k", claimant, 10)
+    assert marks.take_place(store, "k", "a", 10) == 0
+    assert marks.line_of(store, "k") == ["a", "b"]
+
+
+def test_a_priority_caller_goes_behind_earlier_priority_callers_but_ahead_of_the_rest(store):
+    marks.take_place(store, "k", "ordinary", 10)
+    marks.take_place(store, "k", "nightly", 10, priority=True)
+    assert marks.take_place(store, "k", "repair", 10, priority=True) == 1
+    assert marks.line_of(store, "k") == ["nightly", "repair", "ordinary"]
+
+
+def test_an_entry_not_renewed_in_time_is_dropped_by_the_next_change(store):
+    marks.take_place(store, "k", "dead", 0.2)
+    marks.take_place(store, "k", "alive", 10)
+    time.sleep(0.3)
+    assert marks.take_place(store, "k", "later", 10) == 1
+    assert marks.line_of(store, "k") == ["alive", "later"]
+
+
+def test_leaving_the_line_lets_the_next_one_move_up(store):
+    for claimant in ("a", "b"):
+        marks.take_place(store, "k", claimant, 10)
+    marks.leave_line(store, "k", "a")
+    assert marks.line_of(store, "k") == ["b"]
+    marks.leave_line(store, "k", "b")
+    assert store.read_mark("k", LINE) is None
+
+
+def test_a_line_lapses_when_all_its_waiters_stop_renewing(store, backend_case):
+    marks.take_place(store, "k", "dead", backend_case.short_ttl)
+    time.sleep(backend_case.short_ttl * 2.5)
+    assert marks.line_of(store, "k") == []
+
+
+def test_an_enqueue_mark_names_the_task_already_queued_until_cleared(store):
+    assert marks.claim_mark(store, "k", marks.QUEUED, "t1", 10) == "t1"
+    assert marks.claim_mark(store, "k", marks.QUEUED, "t2", 10) == "t1"
+    assert marks.clear_mark(store, "k", marks.QUEUED, "t2") is False
+    assert marks.clear_mark(store, "k", marks.QUEUED, "t1") is True
+    assert marks.claim_mark(store, "k", marks.QUEUED, "t2", 10) == "t2"

@@ -1,0 +1,244 @@
+"""The attempt engine, host by host capability: what one call gets, decided once.
+
+These run the engine in this process on the memory store; the same decisions on real
+Celery and RQ workers are in ``test_same_outcome_on_both_hosts.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+from celery_exclusive import LeaseLost, backend_for_url
+from celery_exclusive.core import kill_notes, marks, policies
+from celery_exclusive.core.config import Settings
+from celery_exclusive.core.lease import HeldLease, UnlockedLease
+from celery_exclusive.core.lock import ExclusiveLock
+from celery_exclusive.engine import attempt, outcomes
+
+ROOT = Path(__file__).resolve().parents[2]
+DEAD_STORE = "redis://127.0.0.1:1/0"
+WORKER = attempt.Host(can_requeue=True)
+DIRECT = attempt.Host(can_requeue=False)
+ACKS_LATE = attempt.Host(can_requeue=True, redelivery=True, finished_ttl=60)
+
+
+def a_call(url: str, task_id: str | None = "task-1", requeues: int = 0, **settings):
+    settings = Settings(backend_url=url, lease_ttl=5, requeue_delay=0.1, **settings)
+    key = f"exclusive:{uuid.uuid4().hex[:8]}"
+    return attempt.Call("t", task_id, key, settings, backend_for_url(url), (1,), {}, requeues)
+
+
+def holding(call: attempt.Call) -> ExclusiveLock:
+    return ExclusiveLock(call.key, call.settings.backend_url, 5, name="holder")
+
+
+def test_a_free_key_runs_the_body_under_its_lease_and_gives_it_back(memory_url):
+    call = a_call(memory_url)
+    seen = []
+    outcome = attempt.run(call, WORKER, lambda args, kwargs: seen.append(attempt.current_lease()))
+    assert outcome == outcomes.Ran(None)
+    lease = seen[0]
+    assert isinstance(lease, HeldLease) and lease.key == call.key and lease.released
+    assert attempt.current_lease() is None
+
+
+def test_a_duplicate_is_requeued_with_its_next_count_where_the_host_can_requeue(memory_url):
+    call = a_call(memory_url, on_duplicate="requeue", requeues=3)
+    with holding(call):
+        outcome = attempt.run(call, WORKER, pytest.fail)
+    assert isinstance(outcome, outcomes.Requeue)
+    assert (outcome.cause, outcome.requeues) == ("held", 4)
+
+
+def test_a_duplicate_waits_in_the_keys_line_where_the_host_has_no_queue(memory_url):
+    call = a_call(memory_url, on_duplicate="requeue", wait_timeout=0.2)
+    with holding(call):
+        outcome = attempt.run(call, DIRECT, pytest.fail)
+    assert isinstance(outcome, outcomes.Waited)
+    assert outcome.wait_timeout == 0.2
+
+
+def test_a_duplicate_gives_up_after_requeue_max_retries(memory_url):
+    call = a_call(memory_url, on_duplicate="requeue", requeue_max_retries=2, requeues=2)
+    with holding(call):
+        outcome = attempt.run(call, WORKER, pytest.fail)
+    assert isinstance(outcome, outcomes.GaveUp)
+    assert (outcome.cause, outcome.requeues) == ("held", 2)
+
+
+def test_a_store_that_does_not_answer_requeues_the_call_where_it_can():
+    outcome = attempt.run(a_call(DEAD_STORE), WORKER, pytest.fail)
+    assert isinstance(outcome, outcomes.Requeue) and outcome.cause == "unanswered"
+
+
+def test_a_store_that_does_not_answer_fails_a_call_without_a_queue():
+    outcome = attempt.run(a_call(DEAD_STORE), DIRECT, pytest.fail)
+    assert isinstance(outcome, outcomes.Unanswered)
+
+
+def test_a_store_that_does_not_answer_runs_the_body_unlocked_under_run():
+    call = a_call(DEAD_STORE, on_backend_error="run")
+    outcome = attempt.run(call, DIRECT, lambda args, kwargs: attempt.current_lease())
+    assert isinstance(outcome, outcomes.Ran) and isinstance(outcome.result, UnlockedLease)
+
+
+def test_a_second_delivery_while_the_first_runs_is_set_aside(memory_url):
+    call = a_call(memory_url)
+    outcome = attempt.run(
+        call, ACKS_LATE, lambda args, kwargs: attempt.run(call, ACKS_LATE, pytest.fail)
+    )
+    assert isinstance(outcome.result, outcomes.SetAside)
+
+
+def test_a_second_delivery_of_an_attempt_that_ended_is_dropped(memory_url):
+    call = a_call(memory_url)
+    assert attempt.run(call, ACKS_LATE, lambda args, kwargs: "first") == outcomes.Ran("first")
+    assert attempt.run(call, ACKS_LATE, pytest.fail) == outcomes.Dropped(call.key)
+
+
+def lose_the_lease(args, kwargs):
+    """A body whose lease is found lost while it runs, and which stops there."""
+    lease = attempt.current_lease()
+    lease.mark_lost("freed by the test", "released")
+    lease.ensure_held()
+
+
+def test_a_body_stopped_by_the_loss_of_its_lease_is_requeued(memory_url):
+    call = a_call(memory_url, requeues=1)
+    outcome = attempt.run(call, WORKER, lose_the_lease)
+    assert isinstance(outcome, outcomes.Requeue)
+    assert (outcome.cause, outcome.requeues) == ("lost", 2)
+
+
+def test_a_call_stopped_by_the_loss_of_its_lease_is_sent_again_with_its_own_arguments(
+    memory_url,
+):
+    outcome = attempt.run(a_call(memory_url, on_duplicate="rerun"), WORKER, lose_the_lease)
+    assert isinstance(outcome, outcomes.Requeue) and outcome.cause == "lost"
+    assert (outcome.args, outcome.kwargs) == (None, None)  # None: the call's own
+
+
+def test_a_pending_rerun_stopped_by_the_loss_of_its_lease_is_sent_again_with_the_pending_arguments(
+    memory_url,
+):
+    call = a_call(memory_url, on_duplicate="rerun")
+    # A duplicate with newer arguments joined this call while it waited as the key's
+    # pending rerun: it runs with them, not with its own (1,).
+    newest = policies.encode_call(call.name, (3,), {"changed": "later"})
+    marks.join_rerun(call.backend, call.key, "task-1", newest, ttl=30)
+    ran_with = []
+
+    def body(args, kwargs):
+        ran_with.append((args, kwargs))
+        lose_the_lease(args, kwargs)
+
+    outcome = attempt.run(call, WORKER, body)
+    assert ran_with == [((3,), {"changed": "later"})]
+    assert isinstance(outcome, outcomes.Requeue) and outcome.cause == "lost"
+    assert (outcome.args, outcome.kwargs) == ((3,), {"changed": "later"})
+
+
+def test_a_pending_rerun_killed_for_not_stopping_is_sent_again_with_the_arguments_of_its_note():
+    settings = Settings(backend_url="memory://", requeue_delay=0.1)
+    noted = policies.encode_call("t", (3,), {"changed": "later"})
+    outcome = attempt.rerun_of_killed(settings, "exclusive:k", 0, noted)
+    assert outcome is not None and outcome.cause == "lost"
+    assert (outcome.args, outcome.kwargs) == ((3,), {"changed": "later"})
+
+
+#: The engine running a call in a process of its own, as a pool child or a work horse
+#: does: the call is the pending rerun of its key (with the newer arguments argv[1]),
+#: and its body catches the LeaseLost that stops it, so its process is killed.
+STUBBORN_RERUN = """
+import contextlib, sys, threading, time
+from celery_exclusive import LeaseLost, backend_for_url
+from celery_exclusive.core import marks
+from celery_exclusive.core.config import Settings
+from celery_exclusive.engine import attempt
+
+settings = Settings(backend_url="memory://", on_duplicate="rerun", terminate_grace=0.2)
+call = attempt.Call("t", "task-1", "exclusive:k", settings, backend_for_url("memory://"), (1,))
+marks.join_rerun(call.backend, call.key, "task-1", sys.argv[1], ttl=30)
+
+
+def stubborn(args, kwargs):
+    # Found lost by another thread, as the heartbeat finds it.
+    lease = attempt.current_lease()
+    threading.Timer(0.1, lease.mark_lost, ("freed by the test", "released")).start()
+    while True:
+        with contextlib.suppress(LeaseLost):
+            time.sleep(0.05)
+
+
+attempt.run(call, attempt.Host(can_requeue=True, stop_process=True), stubborn)
+"""
+
+
+def test_a_pending_rerun_killed_for_not_stopping_notes_the_arguments_it_ran_with(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # its notes, and the child's
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    newest = policies.encode_call("t", (3,), {"changed": "later"})
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    child = subprocess.Popen([sys.executable, "-c", STUBBORN_RERUN, newest], env=env, cwd=ROOT)
+    assert child.wait(timeout=60) == -signal.SIGKILL
+    note = kill_notes.take_kill_note("task-1", child.pid)
+    assert note is not None and note.arguments == newest
+
+
+def test_a_body_stopped_by_the_loss_of_its_lease_fails_when_the_task_opts_out(memory_url):
+    with pytest.raises(LeaseLost):
+        attempt.run(a_call(memory_url, requeue_lost=False), WORKER, lose_the_lease)
+
+
+def test_a_body_stopped_by_the_loss_of_its_lease_fails_without_a_queue(memory_url):
+    with pytest.raises(LeaseLost):
+        attempt.run(a_call(memory_url), DIRECT, lose_the_lease)
+
+
+def test_a_call_resuming_a_stopped_run_is_requeued_not_skipped(memory_url):
+    call = a_call(memory_url, on_duplicate="skip")
+    call.resumed = True
+    with holding(call):
+        outcome = attempt.run(call, WORKER, pytest.fail)
+    assert isinstance(outcome, outcomes.Requeue) and outcome.cause == "held"
+
+
+@pytest.mark.parametrize("where", ["_end", "_leave"])
+def test_an_interrupt_landing_as_the_body_exits_still_ends_the_attempt_and_its_stopper(
+    memory_url, monkeypatch, where
+):
+    """The loss's LeaseLost is raised once, wherever the body's thread is: here as the
+    exit of its block begins, before the stopper was left or the attempt ended. Its
+    grace timer must not outlive the call (it would kill the process under the next
+    one), nor the lease stay held and renewed."""
+    from celery_exclusive.core import terminate
+
+    host = attempt.Host(can_requeue=True, stop_process=False)
+    call = a_call(memory_url, on_lease_lost="terminate", requeue_lost=False)
+    original = getattr(attempt._Holding, where)
+    interrupted = []
+
+    def interrupt_first(self, *args):
+        if not interrupted:
+            interrupted.append(True)
+            self.lease.mark_lost("taken away", "released")
+            raise self.lease.loss_error()
+        return original(self, *args)
+
+    monkeypatch.setattr(attempt._Holding, where, interrupt_first)
+    with pytest.raises(LeaseLost):
+        attempt.run(call, host, lambda args, kwargs: None)
+    assert interrupted
+    assert terminate._running == []  # the stopper left, its grace timer cancelled
+    assert attempt.current() is None
+    assert backend_for_url(memory_url).holders_of(call.key) == []

@@ -1,0 +1,255 @@
+"""The operator's commands, against real stores holding real leases."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from celery_exclusive.backends import backend_for_url
+from celery_exclusive.cli.commands import exclusive
+from celery_exclusive.core import marks
+from celery_exclusive.core.lease import acquire
+from tests.support.workers import ROOT
+
+
+@pytest.fixture(params=["redis", "sqlite"])
+def store(request):
+    return request.getfixturevalue(f"{request.param}_url")
+
+
+@pytest.fixture
+def held(store):
+    """Two real leases, renewed by this process's heartbeat while the test runs."""
+    backend = backend_for_url(store)
+    leases = [
+        acquire(backend, "exclusive:invoice:7", 30, name="billing.settle", task_id="task-7"),
+        acquire(backend, "exclusive:invoice:8", 30, name="billing.settle", task_id="task-8"),
+    ]
+    yield leases
+    for lease in leases:
+        lease.release()
+
+
+def run(store: str, *args: str, input: str | None = None):
+    return CliRunner().invoke(exclusive, ["--backend", store, *args], input=input)
+
+
+def test_ls_shows_each_lease_with_its_task_holder_and_token(store, held):
+    result = run(store, "ls")
+    assert result.exit_code == 0, result.output
+    header, *rows = result.output.splitlines()
+    assert header.split() == [
+        "KEY",
+        "TASK",
+        "TASK",
+        "ID",
+        "HOST",
+        "PID",
+        "ACQUIRED",
+        "EXPIRES",
+        "TOKEN",
+        "MARKS",
+    ]
+    assert [row.split()[0] for row in rows] == ["exclusive:invoice:7", "exclusive:invoice:8"]
+    assert rows[0].split()[1:3] == ["billing.settle", "task-7"]
+    assert str(os.getpid()) in rows[0]
+
+
+def test_ls_shows_times_as_people_read_them(store, held):
+    row = run(store, "ls").output.splitlines()[1]
+    assert re.search(r"  \d+\.\ds ago  in (29|30)\.\ds  ", row), row
+
+
+def test_inspect_shows_when_the_lease_was_taken_as_local_time_not_an_epoch(store, held):
+    output = run(store, "inspect", "invoice:7").output
+    acquired = next(line for line in output.splitlines() if "acquired_at" in line)
+    assert re.fullmatch(
+        r"  acquired_at: \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d\d:\d\d \(\d+\.\ds ago\)",
+        acquired,
+    ), acquired
+    assert "expires: in " in output
+
+
+def test_ls_json_gives_every_field(store, held):
+    result = run(store, "ls", "--json")
+    rows = json.loads(result.output)
+    assert [r["task_id"] for r in rows] == ["task-7", "task-8"]
+    first = rows[0]
+    assert first["pid"] == os.getpid()
+    assert first["fencing_token"] == held[0].fencing_token
+    assert 0 < first["expires_in"] <= 30
+    assert first["age"] >= 0
+    assert first["task"] == "billing.settle"
+
+
+def test_ls_with_nothing_held_says_so(store):
+    assert run(store, "ls").output.strip() == "no leases held"
+
+
+def test_inspect_accepts_the_key_without_its_prefix(store, held):
+    result = run(store, "inspect", "invoice:7", "--json")
+    data = json.loads(result.output)
+    assert data["key"] == "exclusive:invoice:7"
+    assert data["holders"][0]["task_id"] == "task-7"
+
+
+def test_ls_shows_a_pending_rerun_and_the_line_beside_the_key(store, held):
+    backend = backend_for_url(store)
+    marks.join_rerun(backend, "exclusive:invoice:7", "task-9", "{}", 30)
+    marks.take_place(backend, "exclusive:invoice:7", "task-9", 30)
+    marks.take_place(backend, "exclusive:invoice:7", "nightly-1", 30, priority=True)
+    rows = json.loads(run(store, "ls", "--json").output)
+    assert rows[0]["marks"] == "rerun:task-9 line:nightly-1,task-9"
+    assert rows[1]["marks"] == ""
+
+
+def test_inspect_of_a_free_key_says_free(store):
+    assert run(store, "inspect", "invoice:9").output.strip() == "exclusive:invoice:9: free"
+
+
+def test_release_asks_first_and_does_nothing_when_refused(store, held):
+    result = run(store, "release", "invoice:7", input="n\n")
+    assert result.exit_code != 0
+    assert "held by task task-7" in result.output
+    assert backend_for_url(store).holders_of("exclusive:invoice:7")
+
+
+def test_release_with_yes_frees_the_key_and_says_what_it_released(store, held):
+    result = run(store, "release", "invoice:7", "--yes")
+    assert result.exit_code == 0
+    assert "released exclusive:invoice:7: 1 lease(s), held by task task-7" in result.output
+    assert backend_for_url(store).holders_of("exclusive:invoice:7") == []
+
+
+def test_watch_refreshes_the_table(store, held):
+    result = run(store, "watch", "--count", "2", "--interval", "0.01")
+    assert result.output.count("exclusive:invoice:7") == 2
+
+
+def test_an_unreachable_store_is_a_one_line_error():
+    result = run("redis://127.0.0.1:1/0", "ls")
+    assert result.exit_code == 1
+    assert "did not answer" in result.output and "Traceback" not in result.output
+
+
+def test_the_celery_subcommand_reads_the_store_from_the_app(store, held):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "tests.support.apps.ledger",
+            "exclusive",
+            "ls",
+            "--json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "EXCLUSIVE_TEST_STORE": store, "PYTHONPATH": str(ROOT)},
+    )
+    assert out.returncode == 0, out.stderr
+    assert [r["key"] for r in json.loads(out.stdout)] == [
+        "exclusive:invoice:7",
+        "exclusive:invoice:8",
+    ]
+
+
+def test_the_standalone_command_needs_a_store():
+    result = CliRunner().invoke(exclusive, ["ls"], env={"EXCLUSIVE_BACKEND_URL": ""})
+    assert result.exit_code == 2
+    assert "--backend" in result.output
+
+
+def test_the_help_names_the_stores_environment_variable():
+    result = CliRunner().invoke(exclusive, ["--help"], terminal_width=200)
+    (backend,) = [line for line in result.output.splitlines() if "--backend" in line]
+    assert "env var: EXCLUSIVE_BACKEND_URL" in backend
+
+
+#: Keys a store accepts that would break a table: a newline, an escape sequence, a tab, a
+#: key of 300 wide characters, an empty-looking line separator.
+ODD_KEYS = [
+    "exclusive:line\nbreak",
+    "exclusive:\x1b[31mred\x1b[0m\ttab",
+    "exclusive:" + "請求書" * 100,
+    "exclusive:sep\u2028arator",
+]
+
+
+@pytest.fixture
+def odd_keys_held(store):
+    backend = backend_for_url(store)
+    leases = [
+        acquire(backend, key, 30, name="odd", task_id=f"t{i}") for i, key in enumerate(ODD_KEYS)
+    ]
+    yield
+    for lease in leases:
+        lease.release()
+
+
+def test_ls_shows_one_line_per_key_whatever_the_key_holds(store, odd_keys_held):
+    lines = run(store, "ls").output.splitlines()
+    assert len(lines) == 1 + len(ODD_KEYS)
+    shown = sorted(line.split("  ")[0].strip() for line in lines[1:])
+    assert shown == sorted(
+        [
+            "exclusive:line\\nbreak",
+            "exclusive:\\x1b[31mred\\x1b[0m\\ttab",
+            "exclusive:" + "請求書" * 8 + "…",  # 59 columns: the 60th would not fit
+            "exclusive:sep\\u2028arator",
+        ]
+    )
+    assert "\x1b" not in "".join(lines)
+
+
+def test_ls_json_gives_odd_keys_exactly(store, odd_keys_held):
+    rows = json.loads(run(store, "ls", "--json").output)
+    assert sorted(row["key"] for row in rows) == sorted(ODD_KEYS)
+
+
+def test_inspect_and_release_show_an_odd_key_on_one_line(store, odd_keys_held):
+    output = run(store, "inspect", ODD_KEYS[0]).output
+    assert output.splitlines()[0] == "exclusive:line\\nbreak: held by 1"
+    output = run(store, "release", ODD_KEYS[0], "--yes").output
+    assert output == "released exclusive:line\\nbreak: 1 lease(s), held by task t0 on " + (
+        f"{backend_for_url(store).holders_of(ODD_KEYS[1])[0].holder['hostname']}\n"
+    )
+
+
+def test_a_missing_client_library_is_one_line_naming_the_extra(tmp_path):
+    """As on a machine where redis-py is not installed: importing it fails."""
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['redis'] = None\n")
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from celery_exclusive.cli.commands import main; main()",
+            "--backend",
+            "redis://127.0.0.1:1/0",
+            "ls",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"},
+    )
+    assert out.returncode == 1
+    assert out.stdout == ""
+    assert out.stderr.count("\n") == 1, out.stderr
+    assert "pip install 'celery-exclusive[redis]'" in out.stderr
+    assert out.stderr.startswith("Error: exclusive_backend_url uses redis://")
+
+
+def test_migrate_says_a_store_without_tables_needs_nothing(store):
+    result = run(store, "migrate")
+    assert result.exit_code == 0, result.output
+    assert result.output.rstrip().endswith(": this store needs nothing created")
