@@ -57,11 +57,13 @@ def test_a_scrape_counts_every_duplicate_and_every_lost_lease(redis_server, pool
         for result in results:
             result.get(timeout=30, propagate=False)
         backend.release(holder)
-        # A lease freed under its running holder: it is lost, and the body stopped.
-        lost = client.send_task(TASK, ("lost", 30))
+        # A lease freed under its running holder: it is lost. Prefork and solo stop the
+        # body; a thread or greenlet runs on to its end and fails then (8 s here).
+        lost = client.send_task(TASK, ("lost", 8))
         assert wait_until(lambda: backend.holders_of("exclusive:lost"), timeout=30)
         backend.force_release("exclusive:lost")
-        lost.get(timeout=30, propagate=False)
+        lost.get(timeout=60, propagate=False)
+        assert lost.state == "FAILURE" and type(lost.result).__name__ == "LeaseLost"
         deadline = time.monotonic() + 20
         while True:
             samples = scrape(port)
