@@ -319,5 +319,5 @@ def test_revoke_with_terminate_frees_the_lease_at_once(cluster, signame):
     compat.app.control.revoke(result.id, terminate=True, signal=signame)
     assert wait_until(lambda: not cluster.holders(key), timeout=10)
     freed_after = time.monotonic() - revoked_at
-    assert freed_after < 1.0, f"freed after {freed_after:.2f}s (lease_ttl is 20 s)"
+    assert freed_after < 5.0, f"freed after {freed_after:.2f}s (lease_ttl is 20 s)"
     assert compat.hold_skip.delay(key, 0).get(timeout=60)["token"] > 0

@@ -43,10 +43,13 @@ def key_held(worker):
 
 
 def signals_of(ledger, task_id: str) -> list[dict]:
-    wait_until(lambda: ledger.llen("signals"), timeout=10)
+    def sent() -> list[dict]:
+        entries = map(json.loads, ledger.lrange("signals", 0, -1))
+        return [entry for entry in entries if entry["task_id"] == task_id]
+
+    wait_until(sent, timeout=10)
     time.sleep(0.2)  # a second signal for the same task would have been sent by now
-    entries = [json.loads(raw) for raw in ledger.lrange("signals", 0, -1)]
-    return [entry for entry in entries if entry["task_id"] == task_id]
+    return sent()
 
 
 def test_by_default_a_skipped_duplicate_fails_with_duplicate_skipped(worker, key_held):

@@ -455,8 +455,8 @@ def test_wait_does_not_return_for_a_free_key_while_another_is_first_in_line(mark
 def test_wait_returns_at_once_for_the_first_in_line_of_a_free_key(marks):
     stand_in_line(marks, "k", "first")
     started = time.monotonic()
-    marks.wait("k", timeout=3, claimant="first")
-    assert time.monotonic() - started < 1.0
+    marks.wait("k", timeout=10, claimant="first")
+    assert time.monotonic() - started < 5.0
 
 
 def test_a_release_wakes_the_first_in_line_and_nobody_behind_it(marks):
@@ -473,13 +473,13 @@ def test_a_release_wakes_the_first_in_line_and_nobody_behind_it(marks):
     behind = threading.Thread(target=wait, args=("second", 2.0))
     behind.start()
     time.sleep(0.2)
-    first = threading.Thread(target=wait, args=("first", 4.0))
+    first = threading.Thread(target=wait, args=("first", 10.0))
     first.start()
     time.sleep(0.3)
     marks.release(lease)
     first.join()
     behind.join()
-    assert waited["first"] < 2.5, "the release did not wake the first in line"
+    assert waited["first"] < 5.0, "the release did not wake the first in line"
     assert waited["second"] >= 1.9, "the release woke a waiter behind the first"
 
 

@@ -114,7 +114,7 @@ def test_an_empty_prefix_has_one_empty_last_page(backend):
 
 def test_a_renewal_shows_as_the_time_since_the_lease_was_last_extended(backend):
     lease = backend.try_acquire("app:k", owner(), 30, holder={"ttl": 30})
-    time.sleep(1.2)
+    time.sleep(2.0)
     [before] = backend.holders_of("app:k")
     backend.renew([lease])
     [after] = backend.holders_of("app:k")
@@ -122,8 +122,8 @@ def test_a_renewal_shows_as_the_time_since_the_lease_was_last_extended(backend):
     if since_before is None:  # the store cannot tell (etcd, Consul): it says so, always
         assert since_after is None
         return
-    assert 0.9 < since_before < 5
-    assert 0 <= since_after < 0.8
+    assert 1.9 < since_before < 8
+    assert 0 <= since_after < 1.5
 
 
 def test_the_time_since_renewal_is_unknown_without_the_leases_ttl(backend):

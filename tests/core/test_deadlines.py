@@ -166,7 +166,7 @@ def test_a_release_on_a_black_holed_redis_gives_up_after_one_socket_timeout(
     redis_server, redis_url
 ):
     proxy = Proxy(redis_server.port)
-    url = proxy.url_for(redis_url) + "?socket_timeout=1"
+    url = proxy.url_for(redis_url) + "?socket_timeout=2"
     try:
         lease = acquire(backend_for_url(url), KEY, 30)
         proxy.black_hole()
@@ -175,4 +175,4 @@ def test_a_release_on_a_black_holed_redis_gives_up_after_one_socket_timeout(
         waited = time.monotonic() - started
     finally:
         proxy.close()
-    assert 1.0 <= waited < 2.0  # one try, not three
+    assert 2.0 <= waited < 3.5  # one try, not two or three

@@ -15,11 +15,39 @@ from pathlib import Path
 
 import redis
 
+#: Ports for the tests' servers lie below the kernel's ephemeral range (32768 and up on
+#: Linux), from which every outgoing connection takes its own port: a port picked there
+#: may be taken by a client connection before the server binds it, or while the server
+#: is down to be restarted on it. Each pytest-xdist process has a block of its own.
+PORT_BLOCKS, PORT_BLOCK_SIZE = range(20000, 32000), 1500
+
+
+def _port_cursor():
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    number = int(worker[2:]) if worker[2:].isdigit() else 0
+    first = PORT_BLOCKS.start + (number * PORT_BLOCK_SIZE) % len(PORT_BLOCKS)
+    block = range(first, first + PORT_BLOCK_SIZE)
+    # A process started by a test inherits the worker's name: it starts elsewhere.
+    offset = int.from_bytes(os.urandom(2), "big") % PORT_BLOCK_SIZE
+    while True:
+        for index in range(PORT_BLOCK_SIZE):
+            yield block[(offset + index) % PORT_BLOCK_SIZE]
+
+
+_ports = _port_cursor()
+
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port nothing listens on, not handed out before by this process."""
+    for _ in range(PORT_BLOCK_SIZE):
+        port = next(_ports)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # a service of the machine's, or a server still closing
+            return port
+    raise RuntimeError(f"no free loopback port in {PORT_BLOCKS}")
 
 
 class RedisServer:

@@ -12,6 +12,7 @@ from email.parser import Parser
 
 import pytest
 
+from tests.support.servers import free_port
 from tests.support.workers import ROOT
 
 
@@ -121,7 +122,6 @@ def test_the_web_extra_names_its_server_libraries(wheel):
 def test_the_web_extra_alone_serves_the_page_from_a_clean_environment(wheel, tmp_path):
     """A fresh virtual environment with the wheel and its ``web`` extra, nothing else:
     ``celery-exclusive web`` serves the page and its script."""
-    import socket
     import time
     import urllib.request
 
@@ -133,9 +133,7 @@ def test_the_web_extra_alone_serves_the_page_from_a_clean_environment(wheel, tmp
         check=True,
         timeout=600,
     )
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     store = f"sqlite:///{tmp_path}/leases.db"
     server = subprocess.Popen(
         [str(venv / "bin" / "celery-exclusive"), "--backend", store, "web", "--port", str(port)],

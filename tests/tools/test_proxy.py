@@ -152,10 +152,10 @@ def test_a_request_delivered_late_lands_after_its_client_left(proxy, redis_serve
 
 
 def test_only_one_request_is_delivered_late(proxy):
-    proxy.deliver_late(b"PING", 0.5)
+    proxy.deliver_late(b"PING", 3.0)
     conn = client(proxy)
     conn.ping()
     started = time.monotonic()
     conn.ping()
-    assert time.monotonic() - started < 0.4
+    assert time.monotonic() - started < 2.0
     assert proxy.delivered_late == 1

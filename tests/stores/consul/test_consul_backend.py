@@ -209,8 +209,8 @@ def test_wait_reads_only_its_own_key(backends, emulator):
         neighbour.try_acquire(f"invoice:1{i:04d}", owner(), 10, holder={"x": "y" * 200})
     before = len(emulator.answer_sizes)
     started = time.monotonic()
-    worker.wait("invoice:1", timeout=2)
-    assert time.monotonic() - started < 0.5
+    worker.wait("invoice:1", timeout=10)
+    assert time.monotonic() - started < 5.0  # free: no wait for the timeout
     assert sum(emulator.answer_sizes[before:]) < 2000
 
 

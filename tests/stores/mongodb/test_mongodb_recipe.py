@@ -341,4 +341,4 @@ def test_our_waiter_never_sees_the_key_free_while_the_article_holds_it(recipe_st
     started = time.monotonic()
     recipe_store.wait(KEY, 0.5)
     assert time.monotonic() - started >= 0.45
-    assert wait_until(lambda: theirs.release(), timeout=1)
+    assert wait_until(lambda: theirs.release(), timeout=10)

@@ -163,7 +163,7 @@ def replicated():
 
 def test_min_replicas_accepts_a_grant_a_replica_acknowledged(replicated):
     master, replica = replicated
-    backend = RedisBackend(master.url + "?min_replicas=1&min_replicas_timeout=1")
+    backend = RedisBackend(master.url + "?min_replicas=1&min_replicas_timeout=5")
     lease = backend.try_acquire("acked", owner(), 10)
     assert lease is not None
     assert replica.client().exists("{acked}") == 1
