@@ -10,7 +10,10 @@ from celery.contrib.pytest import celery_worker  # noqa: F401
 
 from tests.support.servers import RedisServer
 
-_databases = itertools.count(1)
+#: Databases 1 and 2 are the session's broker and ledger (``client_dbs``), in use all
+#: session long: a test handed a fresh database never empties them. The rest go round.
+SESSION_DATABASES = (1, 2)
+_databases = itertools.cycle(range(3, 32))
 
 
 @pytest.fixture(scope="session")
@@ -23,7 +26,7 @@ def redis_server():
 
 def fresh_redis_db(server) -> str:
     """The URL of a Redis database nobody else is using now, emptied."""
-    db = next(_databases) % 30 + 1
+    db = next(_databases)
     server.client(db).flushdb()
     return server.url_for_db(db)
 
@@ -32,7 +35,10 @@ def fresh_redis_db(server) -> str:
 def client_dbs(redis_server):
     """Broker and ledger databases: one pair per session, since the test process's
     Celery client keeps its broker connections for the whole run."""
-    return fresh_redis_db(redis_server), fresh_redis_db(redis_server)
+    for db in SESSION_DATABASES:
+        redis_server.client(db).flushdb()
+    broker, ledger = SESSION_DATABASES
+    return redis_server.url_for_db(broker), redis_server.url_for_db(ledger)
 
 
 @pytest.fixture

@@ -153,7 +153,7 @@ def test_a_request_delivered_late_lands_after_its_client_left(proxy, redis_serve
 
 def test_only_one_request_is_delivered_late(proxy):
     proxy.deliver_late(b"PING", 3.0)
-    conn = client(proxy)
+    conn = client(proxy, timeout=10)
     conn.ping()
     started = time.monotonic()
     conn.ping()
