@@ -133,9 +133,9 @@ def test_wait_returns_soon_after_the_holder_releases(backend):
     lease = backend.try_acquire("k", owner(), 10)
     threading.Timer(0.3, backend.release, [lease]).start()
     started = time.monotonic()
-    backend.wait("k", timeout=3)
+    backend.wait("k", timeout=10)
     waited = time.monotonic() - started
-    assert 0.2 < waited < 2.5
+    assert 0.2 < waited < 5.0
     assert backend.try_acquire("k", owner(), 10) is not None
 
 

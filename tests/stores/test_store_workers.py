@@ -56,7 +56,7 @@ def test_wait_is_woken_by_the_release(cluster):
     first, second = holder.get(timeout=20), duplicate.get(timeout=30)
     assert second["start"] >= first["end"]
     assert second["requeues"] == 0
-    assert second["start"] - first["end"] < 2.0  # wait_timeout is 30 s: the release woke it
+    assert second["start"] - first["end"] < 10.0  # wait_timeout is 30 s: the release woke it
 
 
 def test_the_main_process_frees_the_lease_of_a_sigkilled_holder(cluster):

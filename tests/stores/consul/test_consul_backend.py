@@ -251,9 +251,9 @@ def test_wait_is_woken_by_a_release_through_a_blocking_query(backends, emulator)
     before = len(emulator.requests)
     threading.Timer(0.4, holder.release, [lease]).start()
     started = time.monotonic()
-    waiter.wait("k", timeout=2.5)
+    waiter.wait("k", timeout=10)
     waited = time.monotonic() - started
-    assert 0.3 < waited < 1.5
+    assert 0.3 < waited < 5.0
     reads = [r for r in emulator.requests[before:] if r[0] == "GET"]
     assert len(reads) <= 3  # an index, one blocking query: no polling
 
@@ -263,8 +263,8 @@ def test_a_semaphore_wait_is_woken_when_a_slot_frees(backends):
     leases = [holder.try_acquire("k", owner(), 10, limit=2) for _ in range(2)]
     threading.Timer(0.3, holder.release, [leases[0]]).start()
     started = time.monotonic()
-    waiter.wait("k", timeout=2.5)
-    assert time.monotonic() - started < 1.5
+    waiter.wait("k", timeout=10)
+    assert time.monotonic() - started < 5.0
     assert waiter.try_acquire("k", owner(), 10, limit=2) is not None
 
 

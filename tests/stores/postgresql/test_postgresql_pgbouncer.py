@@ -64,5 +64,5 @@ def test_wait_polls_through_pgbouncer_and_returns_after_the_release(stores):
     lease = a.try_acquire("k", uuid.uuid4().hex, 10)
     threading.Timer(0.3, a.release, [lease]).start()
     started = time.monotonic()
-    b.wait("k", timeout=5)
-    assert 0.2 < time.monotonic() - started < 2.0
+    b.wait("k", timeout=10)
+    assert 0.2 < time.monotonic() - started < 5.0

@@ -199,7 +199,7 @@ def test_a_store_that_does_not_answer_is_unavailable_within_a_renewal_interval(s
     started = time.monotonic()
     with pytest.raises(BackendUnavailable, match="did not answer"):
         backend.try_acquire("k", owner(), 10)
-    assert time.monotonic() - started < 1.5
+    assert time.monotonic() - started < 3.0
 
 
 # --- store time, not worker time --------------------------------------------------------
