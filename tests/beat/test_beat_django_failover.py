@@ -8,7 +8,7 @@ disables and one whose interval the admin changes mid-run, and a one-off
 ``ClockedSchedule``. The leader is SIGKILLed, SIGTERMed and SIGKILLed again, each time
 right after it sent the 15 s task (and, the first time, the one-off): the moment a
 successor trusting a stale row would send them again. A replacement beat starts after
-each stop, so three always run.
+each takeover, so three run again before the next stop.
 
 The run happens once per module; each test asserts one fact about it.
 """

@@ -109,8 +109,10 @@ class BeatCluster:
         after_each: Optional[Callable[[int], None]] = None,
     ) -> list[dict]:
         """For each signal: wait for the leader to send ``entry``, stop that beat with the
-        signal at once (its successor must not send ``entry`` again), start a beat in its
-        place, and wait for another beat's first send. ``after_each(i)`` runs then.
+        signal at once (its successor must not send ``entry`` again), wait for another
+        beat's first send, and start a beat in the stopped one's place. ``after_each(i)``
+        runs then. The new beat starts after the takeover, not during it: its start-up
+        would take one of two cores from the successor whose takeover is being timed.
         """
         events, after = [], 0.0
         for i, sig in enumerate(signals):
@@ -120,13 +122,13 @@ class BeatCluster:
             )
             stopped_at = time.time()
             self.beat(send["beat"]).stop(sig)
-            self.add_beat(wait=False)
             first = self.wait_for_send(
                 lambda s, stopped_at=stopped_at, old=send["beat"]: (
                     s["sent_at"] > stopped_at and s["beat"] != old
                 ),
                 what=f"send by a successor of beat {send['beat']}",
             )
+            self.add_beat(wait=False)
             events.append(
                 {
                     "signal": signal.Signals(sig).name,
