@@ -9,6 +9,7 @@ in the grant's round trip and the record in the release's, so it costs no more.
 from __future__ import annotations
 
 import contextlib
+import threading
 import uuid
 
 import pytest
@@ -33,16 +34,17 @@ def app(redis_url):
 
 @contextlib.contextmanager
 def counting_round_trips(monkeypatch, key: str, also: bytes = b""):
-    """Count what the process sends to Redis about ``key`` (or naming ``also``): one
-    send per command or pipeline (other tests' clients and heartbeats in this process
+    """Count what this thread sends to Redis about ``key`` (or naming ``also``): one
+    send per command or pipeline (other tests' clients, and the heartbeat's threads,
     send too)."""
     sent: list[bytes] = []
     send = AbstractConnection.send_packed_command
     name = ("{" + layout.escape(key)).encode()  # its entries' names, and its marks'
+    me = threading.get_ident()
 
     def counted(self, command, check_health=True):
         packed = command if isinstance(command, bytes) else b"".join(command)
-        if name in packed or (also and also in packed):
+        if threading.get_ident() == me and (name in packed or (also and also in packed)):
             sent.append(packed)
         return send(self, command, check_health)
 
