@@ -9,20 +9,19 @@ in the grant's round trip and the record in the release's, so it costs no more.
 from __future__ import annotations
 
 import contextlib
-import threading
 import uuid
 
 import pytest
 from celery import Celery
 from celery.app.task import Context
 from celery.app.trace import build_tracer
-from redis.connection import AbstractConnection
 
 from celery_exclusive import ExclusiveTask
 from celery_exclusive.backends.redis import layout
 from celery_exclusive.core import marks
 from celery_exclusive.core.marks import finished_attempt
 from tests.conftest import fresh_redis_db
+from tests.support.redis_sends import sent_by_this_thread
 
 
 @pytest.fixture
@@ -35,21 +34,11 @@ def app(redis_url):
 @contextlib.contextmanager
 def counting_round_trips(monkeypatch, key: str, also: bytes = b""):
     """Count what this thread sends to Redis about ``key`` (or naming ``also``): one
-    send per command or pipeline (other tests' clients, and the heartbeat's threads,
-    send too)."""
-    sent: list[bytes] = []
-    send = AbstractConnection.send_packed_command
+    send per command or pipeline."""
     name = ("{" + layout.escape(key)).encode()  # its entries' names, and its marks'
-    me = threading.get_ident()
-
-    def counted(self, command, check_health=True):
-        packed = command if isinstance(command, bytes) else b"".join(command)
-        if threading.get_ident() == me and (name in packed or (also and also in packed)):
-            sent.append(packed)
-        return send(self, command, check_health)
-
-    monkeypatch.setattr(AbstractConnection, "send_packed_command", counted)
-    yield sent
+    yield sent_by_this_thread(
+        monkeypatch, lambda packed: name in packed or bool(also and also in packed)
+    )
 
 
 def as_a_worker_calls(task, *args, task_id=None):

@@ -4,15 +4,14 @@ entries a burst of keys leaves behind. Every server here is a real redis-server.
 from __future__ import annotations
 
 import math
-import threading
 import uuid
 
 import pytest
-from redis.connection import AbstractConnection
 
 from celery_exclusive.backends.redis import RedisBackend, layout
 from celery_exclusive.backends.redis.backend import RENEW_CHUNK
 from celery_exclusive.backends.redis.scripts import FENCE_TTL_MS
+from tests.support.redis_sends import sent_by_this_thread
 
 
 def owner() -> str:
@@ -24,22 +23,6 @@ def backend(redis_url):
     backend = RedisBackend(redis_url)
     yield backend
     backend.close()
-
-
-def sent_by_this_thread(monkeypatch) -> list[bytes]:
-    """What this thread sends to Redis from now on, one entry per send (the process's
-    heartbeat, renewing leases of other tests, sends from threads of its own)."""
-    sent: list[bytes] = []
-    send = AbstractConnection.send_packed_command
-    me = threading.get_ident()
-
-    def counted(self, command, check_health=True):
-        if threading.get_ident() == me:
-            sent.append(command if isinstance(command, bytes) else b"".join(command))
-        return send(self, command, check_health)
-
-    monkeypatch.setattr(AbstractConnection, "send_packed_command", counted)
-    return sent
 
 
 def test_renewing_many_leases_runs_scripts_of_at_most_a_chunk_each(backend, monkeypatch):
