@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from datetime import timedelta
 
@@ -40,11 +41,31 @@ class every_second(schedule):  # noqa: N801 - named like Celery's own schedules
         until_next = 1.0 - now % 1.0
         return schedstate(int(now) > int(last_run_at.timestamp()), until_next)
 
+    def now(self):
+        """Now; when ``reserve()`` asks (``ScheduleEntry._next_instance``, for the run's
+        new last run), also kept as the run's time: ``is_due`` judges the next tick
+        against it, so its second is the run's identity."""
+        global _reserved_at
+        now = super().now()
+        if sys._getframe(2).f_code.co_name == "_next_instance":
+            _reserved_at = now.timestamp()
+        return now
+
+
+#: The time ``reserve()`` stamped on the last run it made in this process.
+_reserved_at = 0.0
+
 
 def sent_stamp() -> dict:
-    """Evaluated in the beat process at send time (BeatLazyFunc)."""
+    """Evaluated in the beat process at send time (BeatLazyFunc).
+
+    The slot is the second of the run as the scheduler stamped it, not of the send:
+    the leader records the run, then publishes, and under load that can cross into the
+    next second, whose own tick is then due by the schedule, rightly. Two sends of one
+    slot are thus two runs the schedule counts as one tick.
+    """
     now = time.time()
-    return {"slot": int(now), "at": now, "pid": os.getpid()}
+    return {"slot": int(_reserved_at or now), "at": now, "pid": os.getpid()}
 
 
 app = Celery("beat_app")
