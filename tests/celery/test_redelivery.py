@@ -22,6 +22,7 @@ VISIBILITY_TIMEOUT = 4.0
 #: Long enough for the second worker to start on a loaded machine: the body is told to
 #: end once the copy was set aside.
 DURATION = 120.0
+LEASE_TTL = 30.0
 
 
 @pytest.fixture
@@ -40,7 +41,9 @@ def stack(redis_server, client_dbs, tmp_path_factory):
 )
 def test_a_redelivered_copy_of_a_running_task_neither_runs_nor_stores_a_state(stack, task):
     cluster, workers = stack
-    env = {"visibility_timeout": VISIBILITY_TIMEOUT}
+    # A lease far longer than the run's stalls: a loaded machine that delays a renewal
+    # past a 2 s ttl loses the lease, and the call is rightly sent again (RETRY).
+    env = {"visibility_timeout": VISIBILITY_TIMEOUT, "ttl": LEASE_TTL}
     first = cluster.worker("first", env=env, concurrency=1).start()
     workers.append(first)
     result = task.delay("redelivered", DURATION)
