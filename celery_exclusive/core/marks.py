@@ -24,6 +24,11 @@ read-then-swap loop on it, so a store needs nothing more to support them.
   of a task id that ended (its ``retries`` count), so that a copy of its message
   delivered again later (a broker's redelivery under ``acks_late``) does not run the
   body a second time.
+- A **resume mark** (kind ``resume``, one per task id and key, beside its finished mark)
+  keeps the arguments a call whose message may come again (``acks_late``) runs with as
+  the pending rerun of its key, until its attempt ends. The message comes back with the
+  arguments it was sent with; the run it resumes had the newest duplicate's, which the
+  pending rerun's mark gave up when the run took them.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from ..backends.line import LINE, entries_of, ids_of, until_of
 from ..errors import BackendUnavailable
 
 #: Kinds of the marks kept here (the line's is ``backends.line.LINE``).
-RERUN, QUEUED, DONE, RELEASED = "rerun", "queued", "done", "released"
+RERUN, QUEUED, DONE, RELEASED, RESUME = "rerun", "queued", "done", "released", "resume"
 
 #: How long an operator's release is remembered (a **released mark**: the fencing
 #: tokens ``celery exclusive release`` freed), so that a holder finding its lease gone
@@ -252,8 +257,9 @@ def _contended(backend: Backend, key: str, kind: str) -> BackendUnavailable:
 
 
 def finished_key(key: str, task_id: str) -> str:
-    """Where the finished mark of ``task_id`` on ``key`` lives: beside ``key`` (same
-    prefix, so the same store permissions cover it), one per task id.
+    """Where the marks of ``task_id`` on ``key`` live (its finished mark, its resume
+    mark): beside ``key`` (same prefix, so the same store permissions cover it), one
+    per task id.
 
     The task id is appended as JSON after a NUL: JSON never contains a raw NUL, so the
     last NUL tells key and id apart, and no two (key, task id) pairs share a mark.
@@ -287,6 +293,28 @@ def mark_finished(backend: Backend, key: str, task_id: str, retries: int, ttl: f
         if backend.swap_mark(name, DONE, current, str(retries), ttl):
             return
     raise _contended(backend, name, DONE)
+
+
+def resume_arguments(backend: Backend, key: str, task_id: str) -> Optional[str]:
+    """The arguments (JSON) an earlier delivery of ``task_id`` ran with as the pending
+    rerun of ``key``, while its attempt has not ended; None if there are none."""
+    return backend.read_mark(finished_key(key, task_id), RESUME)
+
+
+def keep_resume(backend: Backend, key: str, task_id: str, arguments: str, ttl: float) -> None:
+    """Keep ``arguments`` as those the call ``task_id`` runs with on ``key``, for ``ttl``
+    seconds: as long as its message may be delivered again."""
+    _swap(backend, finished_key(key, task_id), RESUME, lambda current: arguments, ttl)
+
+
+def drop_resume(backend: Backend, key: str, task_id: str) -> None:
+    """The attempt of ``task_id`` on ``key`` ended: its resume mark goes."""
+    name = finished_key(key, task_id)
+    for _ in range(ATTEMPTS):
+        current = backend.read_mark(name, RESUME)
+        if current is None or backend.swap_mark(name, RESUME, current, None, 0):
+            return
+    raise _contended(backend, name, RESUME)
 
 
 def mark_released(backend: Backend, key: str, tokens: list[int]) -> None:

@@ -181,6 +181,9 @@ class Attempt:
         #: Whether what the body returned was stored with the release of its lease
         #: (:attr:`Host.result_write`).
         self.result_written = False
+        #: The arguments kept for the call's task id while its attempt runs, as a pending
+        #: rerun whose message may come again (see :meth:`_keep_resume`), as read or kept.
+        self._resume: Optional[str] = None
 
     # --- the whole call ------------------------------------------------------------------
 
@@ -214,7 +217,13 @@ class Attempt:
         call, settings, host = self.call, self.call.settings, self.host
         if call.resumed and settings.on_duplicate == "skip":
             settings = dataclasses.replace(settings, on_duplicate="requeue")
+        rerun = settings.on_duplicate == "rerun" and bool(call.task_id)
         try:
+            arguments = None
+            if rerun:
+                arguments = self._resumed_arguments() or policies.encode_call(
+                    call.name, call.args, call.kwargs
+                )
             outcome = policies.claim(
                 settings,
                 call.backend,
@@ -222,14 +231,14 @@ class Attempt:
                 call.name,
                 call.task_id,
                 requeues=call.requeues,
-                arguments=policies.encode_call(call.name, call.args, call.kwargs)
-                if settings.on_duplicate == "rerun" and call.task_id
-                else None,
+                arguments=arguments,
                 redelivery=host.redelivery and bool(call.task_id),
             )
             if isinstance(outcome, policies.Run) and host.redelivery and call.task_id:
                 with outcome.lease.released_on_error():
                     dropped = self._drop_if_finished(outcome)
+                    if dropped is None and rerun:
+                        outcome = self._keep_resume(outcome)
                 if dropped is not None:
                     return dropped
         except BackendUnavailable as exc:
@@ -282,6 +291,33 @@ class Attempt:
         logger.warning("%s -- requeued (%s='requeue')", message, setting)
         countdown = policies.requeue_delay(call.settings, call.requeues)
         return self._requeue(countdown, "the lease store did not answer", "unanswered")
+
+    def _resumed_arguments(self) -> Optional[str]:
+        """Where the call's message may come twice: the arguments an earlier delivery of
+        it ran with as the pending rerun of its key, if its attempt has not ended (the
+        message comes back with its own). The call goes on with them, as a duplicate
+        and as the key's next run alike."""
+        call = self.call
+        if not (self.host.redelivery and call.task_id):
+            return None
+        self._resume = marks.resume_arguments(call.backend, call.key, call.task_id)
+        return self._resume
+
+    def _keep_resume(self, outcome: policies.Run) -> policies.Run:
+        """The call took its key as the pending rerun (or resumes a run that did): keep
+        the arguments it runs with for its task id until its attempt ends, for a
+        delivery of its message that comes back before then (its process killed, its
+        body stopped with ``reject_on_worker_lost``)."""
+        call = self.call
+        arguments = outcome.arguments or self._resume
+        if arguments is None:
+            return outcome
+        if arguments != self._resume:
+            marks.keep_resume(
+                call.backend, call.key, call.task_id or "", arguments, self.host.finished_ttl
+            )
+            self._resume = arguments
+        return dataclasses.replace(outcome, arguments=arguments)
 
     def _drop_if_finished(self, outcome: policies.Run) -> Optional[outcomes.Dropped]:
         """A copy of an attempt that has ended took the key: give it back, end quietly.
@@ -358,6 +394,11 @@ class Attempt:
         lease = self.lease
         if not isinstance(lease, HeldLease) or lease.released:
             return
+        self._release(lease, ended, write)
+        if ended and self._resume is not None:
+            self._drop_resume()
+
+    def _release(self, lease: HeldLease, ended: bool, write: Optional[FinalWrite]) -> None:
         call = self.call
         if ended and self.host.redelivery and call.task_id:
             try:
@@ -375,6 +416,23 @@ class Attempt:
             self.result_written = bool(lease.release_and_write(write))
         else:
             lease.release()
+
+    def _drop_resume(self) -> None:
+        """The attempt ended: the arguments kept for its task id go (a copy of its
+        message that comes later is dropped by its finished mark)."""
+        call = self.call
+        try:
+            marks.drop_resume(call.backend, call.key, call.task_id or "")
+            self._resume = None
+        except ExclusiveError as exc:
+            logger.warning(
+                "could not drop the arguments kept for %s[%s] on %r (%s); they expire "
+                "with the time a copy of its message may still arrive",
+                call.name,
+                call.task_id,
+                call.key,
+                exc,
+            )
 
     def _record_end_and_release(self, lease: HeldLease, write: Optional[FinalWrite]) -> bool:
         """Write the finished mark of this attempt; True if the lease went back with it

@@ -182,6 +182,47 @@ def test_a_pending_rerun_killed_for_its_lost_lease_runs_again_with_the_pending_a
     assert rerun["pid"] != pid and rerun["token"] > first.fencing_token
 
 
+def started_with(cluster, pid: int) -> list[int]:
+    """The versions the runs of process ``pid`` started with (``redelivered_webhook``)."""
+    started = [json.loads(raw) for raw in cluster.ledger.lrange("started", 0, -1)]
+    return [s["version"] for s in started if s["pid"] == pid]
+
+
+def run_until_delivered_again(cluster, key: str, stop) -> dict:
+    """Run ``redelivered_webhook`` on ``key`` as its pending rerun (with the newest
+    arguments, version 3), ``stop(first holder)`` in its body, and return the result of
+    the delivery of its message that comes back (acks_late with reject_on_worker_lost:
+    Celery hands it back to the broker, with the arguments it was sent with: version 1)."""
+    pending, first = run_as_pending_rerun(cluster, ledger_app.redelivered_webhook, key, 30.0)
+    assert wait_until(lambda: started_with(cluster, first.holder["pid"]) == [3], timeout=10)
+    stop(first)
+    assert wait_until(lambda: holds_anew(cluster, key, first), timeout=cluster.ttl + 10)
+    cluster.ledger.set(f"release:{key}", 1)
+    rerun = pending.get(timeout=30)
+    assert rerun["token"] > first.fencing_token
+    store = backend_for_url(cluster.store)
+    kept = lambda: marks.resume_arguments(store, "exclusive:" + key, pending.id)  # noqa: E731
+    assert wait_until(lambda: kept() is None, timeout=5), "kept past the end of its attempt"
+    return rerun
+
+
+def test_a_pending_rerun_whose_process_died_is_delivered_again_with_the_pending_arguments(
+    cluster,
+):
+    stop = lambda first: os.kill(first.holder["pid"], signal.SIGKILL)  # noqa: E731
+    rerun = run_until_delivered_again(cluster, "redelivered", stop)
+    assert rerun["version"] == 3, "the coalesced duplicates' change was lost"
+
+
+def test_a_pending_rerun_stopped_by_its_lost_lease_is_delivered_again_with_the_pending_arguments(
+    cluster,
+):
+    store = backend_for_url(cluster.store)
+    stop = lambda first: store.force_release("exclusive:handed-back")  # noqa: E731
+    rerun = run_until_delivered_again(cluster, "handed-back", stop)
+    assert rerun["version"] == 3, "the coalesced duplicates' change was lost"
+
+
 # --- priority handoff -------------------------------------------------------------------
 
 

@@ -6,6 +6,7 @@ Celery and RQ workers are in ``test_same_outcome_on_both_hosts.py``.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -28,6 +29,11 @@ DEAD_STORE = "redis://127.0.0.1:1/0"
 WORKER = attempt.Host(can_requeue=True)
 DIRECT = attempt.Host(can_requeue=False)
 ACKS_LATE = attempt.Host(can_requeue=True, redelivery=True, finished_ttl=60)
+#: Celery's ``acks_late`` with ``reject_on_worker_lost``: a stopped body's message comes
+#: back by itself, with the arguments it was sent with.
+REDELIVERED_WHEN_STOPPED = attempt.Host(
+    can_requeue=True, redelivery=True, redelivered_when_stopped=True, finished_ttl=60
+)
 
 
 def a_call(url: str, task_id: str | None = "task-1", requeues: int = 0, **settings):
@@ -144,6 +150,61 @@ def test_a_pending_rerun_stopped_by_the_loss_of_its_lease_is_sent_again_with_the
     assert ran_with == [((3,), {"changed": "later"})]
     assert isinstance(outcome, outcomes.Requeue) and outcome.cause == "lost"
     assert (outcome.args, outcome.kwargs) == ((3,), {"changed": "later"})
+
+
+def test_a_pending_rerun_delivered_again_after_its_body_was_stopped_runs_with_the_pending_arguments(
+    memory_url,
+):
+    call = a_call(memory_url, on_duplicate="rerun")
+    newest = policies.encode_call(call.name, (3,), {"changed": "later"})
+    marks.join_rerun(call.backend, call.key, "task-1", newest, ttl=30)
+    stopped = attempt.run(call, REDELIVERED_WHEN_STOPPED, lose_the_lease)
+    assert isinstance(stopped, outcomes.Redelivered)
+    # The broker delivers the message again: the same task id, its own arguments (1,).
+    ran_with = []
+    attempt.run(
+        call, REDELIVERED_WHEN_STOPPED, lambda args, kwargs: ran_with.append((args, kwargs))
+    )
+    assert ran_with == [((3,), {"changed": "later"})]
+
+
+def test_a_pending_rerun_delivered_again_while_its_key_is_held_waits_with_the_pending_arguments(
+    memory_url,
+):
+    call = a_call(memory_url, on_duplicate="rerun")
+    newest = policies.encode_call(call.name, (3,), {"changed": "later"})
+    marks.join_rerun(call.backend, call.key, "task-1", newest, ttl=30)
+    attempt.run(call, REDELIVERED_WHEN_STOPPED, lose_the_lease)
+    with holding(call):
+        outcome = attempt.run(call, REDELIVERED_WHEN_STOPPED, pytest.fail)
+        assert isinstance(outcome, outcomes.Requeue)
+        pending = json.loads(call.backend.read_mark(call.key, marks.RERUN))
+    assert (pending["task_id"], pending["arguments"]) == ("task-1", newest)
+
+
+def test_the_arguments_kept_for_a_delivery_that_comes_again_go_when_its_attempt_ends(memory_url):
+    call = a_call(memory_url, on_duplicate="rerun")
+    newest = policies.encode_call(call.name, (3,), {"changed": "later"})
+    marks.join_rerun(call.backend, call.key, "task-1", newest, ttl=30)
+    kept = []
+
+    def body(args, kwargs):
+        kept.append(marks.resume_arguments(call.backend, call.key, "task-1"))
+
+    attempt.run(call, ACKS_LATE, body)
+    assert kept == [newest]
+    assert marks.resume_arguments(call.backend, call.key, "task-1") is None
+
+
+def test_a_call_that_is_no_pending_rerun_keeps_no_arguments_for_its_message(memory_url):
+    call = a_call(memory_url, on_duplicate="rerun")
+    kept = []
+
+    def body(args, kwargs):
+        kept.append(marks.resume_arguments(call.backend, call.key, "task-1"))
+
+    attempt.run(call, ACKS_LATE, body)
+    assert kept == [None]
 
 
 def test_a_pending_rerun_killed_for_not_stopping_is_sent_again_with_the_arguments_of_its_note():

@@ -327,9 +327,30 @@ def hold_two(self, key: str, duration: float = 0.0) -> dict:
 @app.task(base=ExclusiveTask, bind=True, exclusive_key="{key}", exclusive_on_duplicate="rerun")
 def webhook(self, key: str, version: int, duration: float = 0.0) -> dict:
     """ "Something changed, go look": every change must be seen, never concurrently."""
-    entry = run(self, key, duration)
-    ledger().rpush("versions", json.dumps({"task_id": self.request.id, "version": version}))
+    return look(self, key, version, duration)
+
+
+def look(task, key: str, version: int, duration: float) -> dict:
+    """The body of the webhooks: ``run``, noting in ``versions`` which change it saw."""
+    entry = run(task, key, duration)
+    ledger().rpush("versions", json.dumps({"task_id": task.request.id, "version": version}))
     return {**entry, "version": version}
+
+
+@app.task(
+    base=ExclusiveTask,
+    bind=True,
+    exclusive_key="{key}",
+    exclusive_on_duplicate="rerun",
+    acks_late=True,
+    reject_on_worker_lost=True,
+)
+def redelivered_webhook(self, key: str, version: int, duration: float = 0.0) -> dict:
+    """``webhook`` whose message the broker delivers again when its process dies. Each
+    run notes in ``started`` the change it started with."""
+    started = {"key": key, "pid": os.getpid(), "version": version}
+    ledger().rpush("started", json.dumps(started))
+    return look(self, key, version, duration)
 
 
 @app.task(
