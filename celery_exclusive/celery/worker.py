@@ -172,6 +172,12 @@ class ExclusiveRequest(Request):
             if acknowledged and task.acks_late:
                 retries = int((self.request_dict or {}).get("retries") or 0)
                 marks.mark_finished(backend, key, self.id, retries, finished_ttl(task))
+                if task.exclusive_settings.on_duplicate == "rerun":
+                    # Its message does not come back: what a delivery would have resumed
+                    # with goes (the run it had is lost with the process, as any is).
+                    kept = marks.resume_arguments(backend, key, self.id)
+                    if kept is not None:
+                        marks.drop_resume(backend, key, self.id, kept)
         except (ExclusiveError, TypeError) as exc:  # TypeError: arguments that never bound
             logger.warning("could not free the lease of lost task %s: %s", self.id, exc)
             return

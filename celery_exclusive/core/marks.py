@@ -48,6 +48,11 @@ RERUN, QUEUED, DONE, RELEASED, RESUME = "rerun", "queued", "done", "released", "
 #: learns why: at its next renewal, or when its body ends under ``on_lease_lost="log"``.
 RELEASED_TTL = 24 * 3600.0
 
+#: How long the arguments of a run that a delivery of its message may resume are kept
+#: at least (a **resume mark**): dropped when its attempt ends, they expire only where
+#: nobody saw it end (its whole host lost), and must outlast the longest run.
+RESUME_TTL = 24 * 3600.0
+
 #: Compare-and-swap attempts before concluding the store is too contended to answer.
 ATTEMPTS = 20
 
@@ -301,19 +306,33 @@ def resume_arguments(backend: Backend, key: str, task_id: str) -> Optional[str]:
     return backend.read_mark(finished_key(key, task_id), RESUME)
 
 
-def keep_resume(backend: Backend, key: str, task_id: str, arguments: str, ttl: float) -> None:
+def keep_resume(
+    backend: Backend,
+    key: str,
+    task_id: str,
+    arguments: str,
+    ttl: float,
+    current: Optional[str] = None,
+) -> None:
     """Keep ``arguments`` as those the call ``task_id`` runs with on ``key``, for ``ttl``
-    seconds: as long as its message may be delivered again."""
-    _swap(backend, finished_key(key, task_id), RESUME, lambda current: arguments, ttl)
+    seconds: as long as its message may be delivered again. ``current``: what the mark
+    was read to hold (one swap when it still does)."""
+    _set_resume(backend, finished_key(key, task_id), current, arguments, ttl)
 
 
-def drop_resume(backend: Backend, key: str, task_id: str) -> None:
-    """The attempt of ``task_id`` on ``key`` ended: its resume mark goes."""
-    name = finished_key(key, task_id)
+def drop_resume(backend: Backend, key: str, task_id: str, current: Optional[str]) -> None:
+    """The attempt of ``task_id`` on ``key`` ended: its resume mark, last known to hold
+    ``current``, goes."""
+    _set_resume(backend, finished_key(key, task_id), current, None, 0)
+
+
+def _set_resume(
+    backend: Backend, name: str, current: Optional[str], new: Optional[str], ttl: float
+) -> None:
     for _ in range(ATTEMPTS):
-        current = backend.read_mark(name, RESUME)
-        if current is None or backend.swap_mark(name, RESUME, current, None, 0):
+        if current == new or backend.swap_mark(name, RESUME, current, new, ttl):
             return
+        current = backend.read_mark(name, RESUME)
     raise _contended(backend, name, RESUME)
 
 

@@ -221,9 +221,14 @@ class Attempt:
         try:
             arguments = None
             if rerun:
-                arguments = self._resumed_arguments() or policies.encode_call(
-                    call.name, call.args, call.kwargs
-                )
+                arguments = self._resumed_arguments()
+                if arguments is not None:
+                    # It resumes a run that took the newest arguments when it took the
+                    # key: a duplicate pending since then brought newer ones, which it
+                    # joins without replacing them.
+                    settings = dataclasses.replace(settings, rerun_args="first")
+                else:
+                    arguments = policies.encode_call(call.name, call.args, call.kwargs)
             outcome = policies.claim(
                 settings,
                 call.backend,
@@ -237,16 +242,18 @@ class Attempt:
             if isinstance(outcome, policies.Run) and host.redelivery and call.task_id:
                 with outcome.lease.released_on_error():
                     dropped = self._drop_if_finished(outcome)
-                    if dropped is None and rerun:
-                        outcome = self._keep_resume(outcome)
                 if dropped is not None:
+                    self._drop_resume()
                     return dropped
+                if rerun:
+                    outcome = self._keep_resume(outcome)
         except BackendUnavailable as exc:
             return self._without_store(exc)
 
         if isinstance(outcome, policies.Redelivered):
             return outcomes.SetAside(call.key, outcome.countdown, call.requeues + 1)
         if isinstance(outcome, (outcomes.Skipped, outcomes.Coalesced)):
+            self._drop_resume()  # the call ends here: what it resumed runs elsewhere
             return outcome
         if isinstance(outcome, policies.Requeue):
             reason = "held by " + describe_holder(outcome.holder_task_id, outcome.holder, host.noun)
@@ -265,6 +272,7 @@ class Attempt:
         ``requeue_max_retries`` times already."""
         requeues, limit = self.call.requeues, self.call.settings.requeue_max_retries
         if limit is not None and requeues >= limit:
+            self._drop_resume()
             return outcomes.GaveUp(self.call.key, requeues, reason, cause, holder)
         return outcomes.Requeue(self.call.key, countdown, reason, cause, requeues + 1, holder)
 
@@ -306,17 +314,36 @@ class Attempt:
     def _keep_resume(self, outcome: policies.Run) -> policies.Run:
         """The call took its key as the pending rerun (or resumes a run that did): keep
         the arguments it runs with for its task id until its attempt ends, for a
-        delivery of its message that comes back before then (its process killed, its
-        body stopped with ``reject_on_worker_lost``)."""
+        delivery of its message that comes back before then (its process lost, its
+        body stopped with ``reject_on_worker_lost``).
+
+        The pending rerun's mark is gone once its run took them, so a store that does
+        not answer now costs only a delivery that comes back: the run goes on with them.
+        """
         call = self.call
         arguments = outcome.arguments or self._resume
         if arguments is None:
             return outcome
         if arguments != self._resume:
-            marks.keep_resume(
-                call.backend, call.key, call.task_id or "", arguments, self.host.finished_ttl
-            )
-            self._resume = arguments
+            try:
+                marks.keep_resume(
+                    call.backend,
+                    call.key,
+                    call.task_id or "",
+                    arguments,
+                    max(self.host.finished_ttl, marks.RESUME_TTL),
+                    self._resume,
+                )
+                self._resume = arguments
+            except ExclusiveError as exc:
+                logger.warning(
+                    "could not keep the arguments %s[%s] runs with on %r (%s): a delivery "
+                    "of its message that comes back before it ends runs with its own",
+                    call.name,
+                    call.task_id,
+                    call.key,
+                    exc,
+                )
         return dataclasses.replace(outcome, arguments=arguments)
 
     def _drop_if_finished(self, outcome: policies.Run) -> Optional[outcomes.Dropped]:
@@ -395,7 +422,7 @@ class Attempt:
         if not isinstance(lease, HeldLease) or lease.released:
             return
         self._release(lease, ended, write)
-        if ended and self._resume is not None:
+        if ended:
             self._drop_resume()
 
     def _release(self, lease: HeldLease, ended: bool, write: Optional[FinalWrite]) -> None:
@@ -418,16 +445,18 @@ class Attempt:
             lease.release()
 
     def _drop_resume(self) -> None:
-        """The attempt ended: the arguments kept for its task id go (a copy of its
-        message that comes later is dropped by its finished mark)."""
+        """The attempt ended: the arguments kept for its task id, if any, go (a copy of
+        its message that comes later is dropped by its finished mark)."""
         call = self.call
+        if self._resume is None:
+            return
         try:
-            marks.drop_resume(call.backend, call.key, call.task_id or "")
+            marks.drop_resume(call.backend, call.key, call.task_id or "", self._resume)
             self._resume = None
         except ExclusiveError as exc:
             logger.warning(
                 "could not drop the arguments kept for %s[%s] on %r (%s); they expire "
-                "with the time a copy of its message may still arrive",
+                "by themselves",
                 call.name,
                 call.task_id,
                 call.key,

@@ -202,7 +202,7 @@ def run_until_delivered_again(cluster, key: str, stop) -> dict:
     assert rerun["token"] > first.fencing_token
     store = backend_for_url(cluster.store)
     kept = lambda: marks.resume_arguments(store, "exclusive:" + key, pending.id)  # noqa: E731
-    assert wait_until(lambda: kept() is None, timeout=5), "kept past the end of its attempt"
+    assert wait_until(lambda: kept() is None, timeout=10), "kept past the end of its attempt"
     return rerun
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from celery_exclusive import LeaseLost, backend_for_url
+from celery_exclusive import BackendUnavailable, LeaseLost, backend_for_url
 from celery_exclusive.core import kill_notes, marks, policies
 from celery_exclusive.core.config import Settings
 from celery_exclusive.core.lease import HeldLease, UnlockedLease
@@ -152,14 +152,19 @@ def test_a_pending_rerun_stopped_by_the_loss_of_its_lease_is_sent_again_with_the
     assert (outcome.args, outcome.kwargs) == ((3,), {"changed": "later"})
 
 
+def stopped_as_pending_rerun(call: attempt.Call, newest: str) -> None:
+    """Run ``call`` as the pending rerun of its key, with ``newest``, and stop its body
+    by the loss of its lease: its message comes back by itself."""
+    marks.join_rerun(call.backend, call.key, call.task_id, newest, ttl=30)
+    stopped = attempt.run(call, REDELIVERED_WHEN_STOPPED, lose_the_lease)
+    assert isinstance(stopped, outcomes.Redelivered)
+
+
 def test_a_pending_rerun_delivered_again_after_its_body_was_stopped_runs_with_the_pending_arguments(
     memory_url,
 ):
     call = a_call(memory_url, on_duplicate="rerun")
-    newest = policies.encode_call(call.name, (3,), {"changed": "later"})
-    marks.join_rerun(call.backend, call.key, "task-1", newest, ttl=30)
-    stopped = attempt.run(call, REDELIVERED_WHEN_STOPPED, lose_the_lease)
-    assert isinstance(stopped, outcomes.Redelivered)
+    stopped_as_pending_rerun(call, policies.encode_call(call.name, (3,), {"changed": "later"}))
     # The broker delivers the message again: the same task id, its own arguments (1,).
     ran_with = []
     attempt.run(
@@ -168,18 +173,48 @@ def test_a_pending_rerun_delivered_again_after_its_body_was_stopped_runs_with_th
     assert ran_with == [((3,), {"changed": "later"})]
 
 
-def test_a_pending_rerun_delivered_again_while_its_key_is_held_waits_with_the_pending_arguments(
+def test_a_pending_rerun_delivered_again_while_its_key_is_held_is_pending_again_with_its_arguments(
     memory_url,
 ):
-    call = a_call(memory_url, on_duplicate="rerun")
+    call = a_call(memory_url, on_duplicate="rerun", wait_timeout=0.2)
     newest = policies.encode_call(call.name, (3,), {"changed": "later"})
-    marks.join_rerun(call.backend, call.key, "task-1", newest, ttl=30)
-    attempt.run(call, REDELIVERED_WHEN_STOPPED, lose_the_lease)
+    stopped_as_pending_rerun(call, newest)
     with holding(call):
         outcome = attempt.run(call, REDELIVERED_WHEN_STOPPED, pytest.fail)
         assert isinstance(outcome, outcomes.Requeue)
         pending = json.loads(call.backend.read_mark(call.key, marks.RERUN))
     assert (pending["task_id"], pending["arguments"]) == ("task-1", newest)
+
+
+def test_a_pending_rerun_delivered_again_joins_a_newer_pending_rerun_without_replacing_it(
+    memory_url,
+):
+    call = a_call(memory_url, on_duplicate="rerun", wait_timeout=0.2)
+    stopped_as_pending_rerun(call, policies.encode_call(call.name, (3,), {}))
+    # A duplicate with newer arguments became the pending rerun since the run took its.
+    newer = policies.encode_call(call.name, (4,), {})
+    with holding(call):
+        marks.join_rerun(call.backend, call.key, "task-4", newer, ttl=30)
+        outcome = attempt.run(call, REDELIVERED_WHEN_STOPPED, pytest.fail)
+        pending = json.loads(call.backend.read_mark(call.key, marks.RERUN))
+    assert outcome == outcomes.Coalesced(call.key, "task-4")
+    assert (pending["task_id"], pending["arguments"]) == ("task-4", newer)
+    assert marks.resume_arguments(call.backend, call.key, "task-1") is None  # it ended
+
+
+def test_a_pending_rerun_runs_with_its_arguments_when_the_store_cannot_keep_them(
+    memory_url, monkeypatch
+):
+    def unanswered(*args, **kwargs):
+        raise BackendUnavailable("the store did not answer", memory_url)
+
+    monkeypatch.setattr(marks, "keep_resume", unanswered)
+    call = a_call(memory_url, on_duplicate="rerun")
+    newest = policies.encode_call(call.name, (3,), {"changed": "later"})
+    marks.join_rerun(call.backend, call.key, "task-1", newest, ttl=30)
+    ran_with = []
+    attempt.run(call, ACKS_LATE, lambda args, kwargs: ran_with.append((args, kwargs)))
+    assert ran_with == [((3,), {"changed": "later"})]
 
 
 def test_the_arguments_kept_for_a_delivery_that_comes_again_go_when_its_attempt_ends(memory_url):
@@ -220,7 +255,7 @@ def test_a_pending_rerun_killed_for_not_stopping_is_sent_again_with_the_argument
 #: and its body catches the LeaseLost that stops it, so its process is killed.
 STUBBORN_RERUN = """
 import contextlib, sys, threading, time
-from celery_exclusive import LeaseLost, backend_for_url
+from celery_exclusive import BackendUnavailable, LeaseLost, backend_for_url
 from celery_exclusive.core import marks
 from celery_exclusive.core.config import Settings
 from celery_exclusive.engine import attempt
