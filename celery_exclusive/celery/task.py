@@ -19,7 +19,7 @@ from kombu.utils.uuid import uuid
 
 from .. import signals
 from ..backends import Backend, backend_for_url
-from ..core import config, marks
+from ..core import config, marks, policies
 from ..core.keys import KeyBinder, KeySpec, check_key_spec
 from ..core.lease import HeldLease, UnlockedLease
 from ..core.lock import ExclusiveLock
@@ -253,8 +253,22 @@ class ExclusiveTask(Task):
         out, the lease stays: the body that catches ``MaxRetriesExceededError`` and
         falls back runs under it, and so does a body that goes on after
         ``retry(throw=False)``, released when it returns.
+
+        A body running as the pending rerun of its key (``exclusive_on_duplicate=
+        "rerun"``) runs with the newest duplicate's arguments, not its message's; a
+        retry that names none is sent with those.
         """
         current = attempt.current()
+        if (
+            current is not None
+            and current.arguments is not None
+            and current.call.task_id == self.request.id
+            and args is None
+            and kwargs is None
+        ):
+            # The body runs as the pending rerun of its key, with the newest duplicate's
+            # arguments rather than its message's: the retry goes with them.
+            args, kwargs = policies.decode_call(current.arguments)
         handing_off = current is not None and throw
         if handing_off:
             current.handing_off = True

@@ -184,6 +184,10 @@ class Attempt:
         #: The arguments kept for the call's task id while its attempt runs, as a pending
         #: rerun whose message may come again (see :meth:`_keep_resume`), as read or kept.
         self._resume: Optional[str] = None
+        #: The arguments (JSON, as stored) the body runs with when it runs as the pending
+        #: rerun of its key: the newest duplicate's, not the call's own. A host that
+        #: sends the call again on the body's behalf (Celery's ``retry()``) sends these.
+        self.arguments: Optional[str] = None
 
     # --- the whole call ------------------------------------------------------------------
 
@@ -193,6 +197,7 @@ class Attempt:
             if isinstance(granted, Unlocked):
                 return self._run_unlocked(granted.lease, body)
             return granted
+        self.arguments = granted.arguments
         holding = _Holding(self, granted.lease, granted.arguments)
         try:
             try:

@@ -223,6 +223,20 @@ def test_a_pending_rerun_stopped_by_its_lost_lease_is_delivered_again_with_the_p
     assert rerun["version"] == 3, "the coalesced duplicates' change was lost"
 
 
+def test_a_pending_rerun_that_retries_is_retried_with_the_pending_arguments(cluster):
+    store = backend_for_url(cluster.store)
+    task = ledger_app.retried_webhook
+    with ExclusiveLock("exclusive:retried", cluster.store, cluster.ttl, name="test holder"):
+        pending = task.delay("retried", 1)
+        assert wait_until(lambda: marks.pending_rerun(store, "exclusive:retried") == pending.id, 15)
+        for version in (2, 3):
+            with pytest.raises(DuplicateCoalesced):
+                task.delay("retried", version).get(timeout=30)
+    ran = pending.get(timeout=30)
+    assert ran["retries"] == 1
+    assert ran["version"] == 3, "the retry went with its message's own arguments"
+
+
 # --- priority handoff -------------------------------------------------------------------
 
 

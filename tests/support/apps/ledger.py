@@ -353,6 +353,14 @@ def redelivered_webhook(self, key: str, version: int, duration: float = 0.0) -> 
     return look(self, key, version, duration)
 
 
+@app.task(base=ExclusiveTask, bind=True, exclusive_key="{key}", exclusive_on_duplicate="rerun")
+def retried_webhook(self, key: str, version: int, duration: float = 0.0) -> dict:
+    """``webhook`` whose first attempt meets an error and is retried (``retry()``)."""
+    if self.request.retries == 0:
+        raise self.retry(countdown=0.1)
+    return look(self, key, version, duration)
+
+
 @app.task(
     base=ExclusiveTask,
     bind=True,
