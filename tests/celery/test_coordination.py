@@ -182,10 +182,11 @@ def test_a_pending_rerun_killed_for_its_lost_lease_runs_again_with_the_pending_a
     assert rerun["pid"] != pid and rerun["token"] > first.fencing_token
 
 
-def started_with(cluster, pid: int) -> list[int]:
-    """The versions the runs of process ``pid`` started with (``redelivered_webhook``)."""
+def started_with(cluster, key: str, pid: int) -> list[int]:
+    """The versions the runs on ``key`` in process ``pid`` started with
+    (``redelivered_webhook``; a pool child runs the calls of other tests too)."""
     started = [json.loads(raw) for raw in cluster.ledger.lrange("started", 0, -1)]
-    return [s["version"] for s in started if s["pid"] == pid]
+    return [s["version"] for s in started if s["pid"] == pid and s["key"] == key]
 
 
 def run_until_delivered_again(cluster, key: str, stop) -> dict:
@@ -194,7 +195,7 @@ def run_until_delivered_again(cluster, key: str, stop) -> dict:
     the delivery of its message that comes back (acks_late with reject_on_worker_lost:
     Celery hands it back to the broker, with the arguments it was sent with: version 1)."""
     pending, first = run_as_pending_rerun(cluster, ledger_app.redelivered_webhook, key, 30.0)
-    assert wait_until(lambda: started_with(cluster, first.holder["pid"]) == [3], timeout=10)
+    assert wait_until(lambda: started_with(cluster, key, first.holder["pid"]) == [3], timeout=10)
     stop(first)
     assert wait_until(lambda: holds_anew(cluster, key, first), timeout=cluster.ttl + 10)
     cluster.ledger.set(f"release:{key}", 1)
