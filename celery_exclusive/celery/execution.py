@@ -149,7 +149,14 @@ def host_of(task: Any, request: Any = None, settings: Any = None) -> attempt.Hos
     acks_late = bool(task.acks_late)
     if acks_late and request.id and not direct:
         return _host(task, settings, direct, redelivery=True)
-    facts = (settings, os.getpid(), direct, acks_late, bool(task.reject_on_worker_lost))
+    facts = (
+        settings,
+        os.getpid(),
+        direct,
+        acks_late,
+        bool(task.reject_on_worker_lost),
+        retried_when_lost(task),
+    )
     made = task.__dict__.get("_exclusive_host")
     if made is None or made[0] != facts:
         made = (facts, _host(task, settings, direct, redelivery=False))
@@ -162,11 +169,30 @@ def _host(task: Any, settings: config.Settings, direct: bool, redelivery: bool) 
         can_requeue=not direct,
         redelivery=redelivery,
         redelivered_when_stopped=bool(task.acks_late and task.reject_on_worker_lost) and not direct,
+        retried_when_lost=not direct and retried_when_lost(task),
         stop_process=None if direct or settings.on_lease_lost != "terminate" else _in_pool_child(),
         finished_ttl=finished_ttl(task) if redelivery else 0.0,
         comes_back=_comes_back,
         result_write=None if direct else functools.partial(results.result_write, task),
     )
+
+
+def retried_when_lost(task: Any) -> bool:
+    """Whether Celery sends a call whose process was lost again, as a retry of it with
+    its message's arguments (``retry_on_worker_lost``, Celery 5.7)."""
+    return bool(getattr(task, "retry_on_worker_lost", False))
+
+
+def comes_back_when_lost(task: Any, request: Any) -> bool:
+    """Whether Celery itself sends the call of ``request`` again when its process is
+    lost: as a retry while it has retries left (``retry_on_worker_lost``, which takes
+    precedence), or by handing its message back (``acks_late`` with
+    ``reject_on_worker_lost``)."""
+    if retried_when_lost(task):
+        limit = task.max_retries
+        if limit is None or int(getattr(request, "retries", 0) or 0) < limit:
+            return True
+    return bool(task.acks_late and task.reject_on_worker_lost)
 
 
 def _comes_back(exc: BaseException) -> bool:

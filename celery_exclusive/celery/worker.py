@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import Any, Optional
 
 from celery import bootsteps
 from celery.exceptions import Terminated, WorkerLostError
@@ -80,10 +80,7 @@ class ExclusiveRequest(Request):
         exc = getattr(exc_info, "exception", None)
         exc = getattr(exc, "exc", exc)  # Celery wraps it in ExceptionWithTraceback
         if isinstance(exc, WorkerLostError):
-            task = self.task
-            self._release_dead_holder(
-                acknowledged=not (task.acks_late and task.reject_on_worker_lost)
-            )
+            self._release_dead_holder(*_when_lost(self.task, self._context))
         elif isinstance(exc, Terminated):  # revoke(terminate=True): Celery acks the message
             self._release_dead_holder(acknowledged=True)
 
@@ -95,14 +92,14 @@ class ExclusiveRequest(Request):
         A body that ran as the pending rerun of its key ran with the newest duplicate's
         arguments, which its note carries: the call is sent again with them.
 
-        Not when Celery hands the message back itself (``acks_late`` with
-        ``reject_on_worker_lost``): the call must not be sent twice.
+        Not when Celery sends it again itself (``retry_on_worker_lost``, or ``acks_late``
+        with ``reject_on_worker_lost``): the call must not be sent twice.
         """
         task = self.task
         if not is_exclusive_task(task):
             return False
         note = kill_notes.take_kill_note(self.id, self.worker_pid)
-        if note is None or (task.acks_late and task.reject_on_worker_lost):
+        if note is None or execution.comes_back_when_lost(task, self._context):
             return False
         request = self._context
         try:
@@ -156,10 +153,15 @@ class ExclusiveRequest(Request):
             return
         reaper.release_left_by(backend, key, self.id, limit, pid)
 
-    def _release_dead_holder(self, acknowledged: bool) -> None:
+    def _release_dead_holder(self, acknowledged: bool, comes_back: Optional[bool] = None) -> None:
         """Free what the dead child held. If Celery acknowledged its message (stored
-        the failure rather than requeueing), also record that the attempt ended, so a
-        copy of the message set aside meanwhile does not run it again."""
+        the failure, or sent a retry, rather than requeueing), also record that the
+        attempt ended, so a copy of the message set aside meanwhile does not run it
+        again. Unless the call comes back (``comes_back``; by default, when its message
+        was not acknowledged), the run its coalesced duplicates are owed goes to a new
+        call, and what a delivery would have resumed with goes."""
+        if comes_back is None:
+            comes_back = not acknowledged
         task = self.task
         if not is_exclusive_task(task):
             return
@@ -172,16 +174,16 @@ class ExclusiveRequest(Request):
             if acknowledged and task.acks_late:
                 retries = int((self.request_dict or {}).get("retries") or 0)
                 marks.mark_finished(backend, key, self.id, retries, finished_ttl(task))
-                if task.exclusive_settings.on_duplicate == "rerun":
-                    # Its message does not come back: what a delivery would have resumed
-                    # with goes (the run it had is lost with the process, as any is).
-                    kept = marks.resume_arguments(backend, key, self.id)
-                    if kept is not None:
-                        marks.drop_resume(backend, key, self.id, kept)
+            if not comes_back and task.exclusive_settings.on_duplicate == "rerun":
+                # The call is over: what a delivery would have resumed with goes (the
+                # run it had is lost with the process, as any run is).
+                kept = marks.resume_arguments(backend, key, self.id)
+                if kept is not None:
+                    marks.drop_resume(backend, key, self.id, kept)
         except (ExclusiveError, TypeError) as exc:  # TypeError: arguments that never bound
             logger.warning("could not free the lease of lost task %s: %s", self.id, exc)
             return
-        if acknowledged:
+        if not comes_back:
             self._send_owed_rerun(task, key)
         for lease, pid in held:
             threading.Thread(
@@ -208,6 +210,17 @@ class ExclusiveRequest(Request):
                 )
         except ExclusiveError as exc:
             logger.warning("could not hand on the pending rerun of lost task %s: %s", self.id, exc)
+
+
+def _when_lost(task: Any, request: Any) -> tuple[bool, bool]:
+    """What Celery does with the message of a call whose process was lost, as
+    ``(acknowledged, comes_back)``: a retry while retries are left
+    (``retry_on_worker_lost``, which takes precedence: acknowledged, and the call comes
+    back); else, with ``acks_late`` and ``reject_on_worker_lost``, the message handed
+    back (it comes back); else the failure stored and the message acknowledged."""
+    if execution.comes_back_when_lost(task, request):
+        return execution.retried_when_lost(task), True
+    return True, False
 
 
 class CheckExclusiveSettings(bootsteps.Step):

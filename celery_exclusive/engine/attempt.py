@@ -60,6 +60,9 @@ class Host:
     #: Whether the message comes back by itself when its body is stopped by the loss
     #: of its lease (Celery's ``acks_late`` with ``reject_on_worker_lost``).
     redelivered_when_stopped: bool = False
+    #: Whether the host sends a call whose process was lost again itself, with its
+    #: message's arguments (Celery's ``retry_on_worker_lost``).
+    retried_when_lost: bool = False
     #: With ``on_lease_lost="terminate"``: None stops nothing (the body runs in a
     #: process that is not ours to signal), False interrupts the body, True may also
     #: kill its process after ``terminate_grace`` (a pool child, a work horse).
@@ -80,6 +83,13 @@ class Host:
     #: How the host spells a setting's name before ``<name>``: ``exclusive_`` on a
     #: Celery task, nothing in ``@exclusive(...)``.
     setting_prefix: str = "exclusive_"
+
+    @property
+    def resumable(self) -> bool:
+        """Whether the call's message may come again with its own arguments after its
+        run began: a pending rerun's run keeps the arguments it took for its task id
+        until its attempt ends, for that delivery to run with."""
+        return self.redelivery or self.retried_when_lost
 
 
 @dataclasses.dataclass
@@ -250,8 +260,8 @@ class Attempt:
                 if dropped is not None:
                     self._drop_resume()
                     return dropped
-                if rerun:
-                    outcome = self._keep_resume(outcome)
+            if isinstance(outcome, policies.Run) and rerun and host.resumable:
+                outcome = self._keep_resume(outcome)
         except BackendUnavailable as exc:
             return self._without_store(exc)
 
@@ -306,12 +316,12 @@ class Attempt:
         return self._requeue(countdown, "the lease store did not answer", "unanswered")
 
     def _resumed_arguments(self) -> Optional[str]:
-        """Where the call's message may come twice: the arguments an earlier delivery of
-        it ran with as the pending rerun of its key, if its attempt has not ended (the
-        message comes back with its own). The call goes on with them, as a duplicate
-        and as the key's next run alike."""
+        """Where the call's message may come again (:attr:`Host.resumable`): the arguments
+        an earlier delivery of it ran with as the pending rerun of its key, if its attempt
+        has not ended (the message comes back with its own). The call goes on with them,
+        as a duplicate and as the key's next run alike."""
         call = self.call
-        if not (self.host.redelivery and call.task_id):
+        if not (self.host.resumable and call.task_id):
             return None
         self._resume = marks.resume_arguments(call.backend, call.key, call.task_id)
         return self._resume
@@ -320,7 +330,7 @@ class Attempt:
         """The call took its key as the pending rerun (or resumes a run that did): keep
         the arguments it runs with for its task id until its attempt ends, for a
         delivery of its message that comes back before then (its process lost, its
-        body stopped with ``reject_on_worker_lost``).
+        body stopped with ``reject_on_worker_lost``, a ``retry_on_worker_lost``).
 
         The pending rerun's mark is gone once its run took them, so a store that does
         not answer now costs only a delivery that comes back: the run goes on with them.

@@ -189,12 +189,13 @@ def started_with(cluster, key: str, pid: int) -> list[int]:
     return [s["version"] for s in started if s["pid"] == pid and s["key"] == key]
 
 
-def run_until_delivered_again(cluster, key: str, stop) -> dict:
-    """Run ``redelivered_webhook`` on ``key`` as its pending rerun (with the newest
-    arguments, version 3), ``stop(first holder)`` in its body, and return the result of
-    the delivery of its message that comes back (acks_late with reject_on_worker_lost:
-    Celery hands it back to the broker, with the arguments it was sent with: version 1)."""
-    pending, first = run_as_pending_rerun(cluster, ledger_app.redelivered_webhook, key, 30.0)
+def run_until_delivered_again(cluster, key: str, stop, task=ledger_app.redelivered_webhook) -> dict:
+    """Run ``task`` on ``key`` as its pending rerun (with the newest arguments, version
+    3), ``stop(first holder)`` in its body, and return the result of the call when it
+    comes back (``redelivered_webhook``: acks_late with reject_on_worker_lost, Celery
+    hands its message back to the broker; ``retried_when_lost_webhook``: Celery retries
+    it. Either way with the arguments it was sent with: version 1)."""
+    pending, first = run_as_pending_rerun(cluster, task, key, 30.0)
     assert wait_until(lambda: started_with(cluster, key, first.holder["pid"]) == [3], timeout=10)
     stop(first)
     assert wait_until(lambda: holds_anew(cluster, key, first), timeout=cluster.ttl + 10)
@@ -236,6 +237,38 @@ def test_a_pending_rerun_that_retries_is_retried_with_the_pending_arguments(clus
     ran = pending.get(timeout=30)
     assert ran["retries"] == 1
     assert ran["version"] == 3, "the retry went with its message's own arguments"
+
+
+def test_a_pending_rerun_whose_process_died_is_retried_with_the_pending_arguments(cluster):
+    stop = lambda first: os.kill(first.holder["pid"], signal.SIGKILL)  # noqa: E731
+    task = ledger_app.retried_when_lost_webhook
+    rerun = run_until_delivered_again(cluster, "retried-when-lost", stop, task)
+    assert rerun["version"] == 3, "the coalesced duplicates' change was lost"
+    assert rerun["retries"] == 1
+
+
+def test_a_waiting_pending_rerun_whose_process_died_is_retried_as_the_pending_rerun(cluster):
+    # Celery retries it itself (retry_on_worker_lost): no new call takes its run.
+    store = backend_for_url(cluster.store)
+    key, task = "lost-waiter", ledger_app.retried_when_lost_webhook
+    with ExclusiveLock("exclusive:" + key, cluster.store, cluster.ttl, name="test holder"):
+        pending = task.delay(key, 1)
+        assert wait_until(lambda: marks.pending_rerun(store, "exclusive:" + key) == pending.id, 15)
+        for version in (2, 3):
+            with pytest.raises(DuplicateCoalesced):
+                task.delay(key, version).get(timeout=30)
+        signals = lambda: map(json.loads, cluster.ledger.lrange("signals", 0, -1))  # noqa: E731
+        waits = lambda: [  # noqa: E731
+            s["pid"] for s in signals() if s["task_id"] == pending.id and s.get("policy")
+        ]
+        [waiter] = waits()
+        os.kill(waiter, signal.SIGKILL)
+        # The retry waits for the key again, as the pending rerun.
+        assert wait_until(lambda: len(waits()) == 2, timeout=15), waits()
+        assert marks.pending_rerun(store, "exclusive:" + key) == pending.id
+    ran = pending.get(timeout=30)
+    assert (ran["version"], ran["retries"]) == (3, 1)
+    assert [e["task_id"] for e in read_ledger(cluster.ledger) if e["key"] == key] == [pending.id]
 
 
 # --- priority handoff -------------------------------------------------------------------

@@ -353,6 +353,22 @@ def redelivered_webhook(self, key: str, version: int, duration: float = 0.0) -> 
     return look(self, key, version, duration)
 
 
+@app.task(
+    base=ExclusiveTask,
+    bind=True,
+    exclusive_key="{key}",
+    exclusive_on_duplicate="rerun",
+    retry_on_worker_lost=True,
+    default_retry_delay=0,
+)
+def retried_when_lost_webhook(self, key: str, version: int, duration: float = 0.0) -> dict:
+    """``redelivered_webhook`` without ``acks_late``: Celery retries it when its process
+    dies (``retry_on_worker_lost``)."""
+    started = {"key": key, "pid": os.getpid(), "version": version}
+    ledger().rpush("started", json.dumps(started))
+    return look(self, key, version, duration)
+
+
 @app.task(base=ExclusiveTask, bind=True, exclusive_key="{key}", exclusive_on_duplicate="rerun")
 def retried_webhook(self, key: str, version: int, duration: float = 0.0) -> dict:
     """``webhook`` whose first attempt meets an error and is retried (``retry()``)."""
