@@ -31,6 +31,7 @@ from typing import Any, Callable, NoReturn
 
 from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
+from celery.worker.request import Request as CeleryRequest
 
 from ..core import config, marks
 from ..engine import attempt, outcomes
@@ -179,20 +180,13 @@ def _host(task: Any, settings: config.Settings, direct: bool, redelivery: bool) 
 
 def retried_when_lost(task: Any) -> bool:
     """Whether Celery sends a call whose process was lost again, as a retry of it with
-    its message's arguments (``retry_on_worker_lost``, Celery 5.7)."""
-    return bool(getattr(task, "retry_on_worker_lost", False))
+    its message's arguments, while it has retries left (``retry_on_worker_lost``: Celery
+    5.7 and later; an earlier Celery ignores the option)."""
+    return bool(getattr(task, "retry_on_worker_lost", False)) and _CELERY_RETRIES_WHEN_LOST
 
 
-def comes_back_when_lost(task: Any, request: Any) -> bool:
-    """Whether Celery itself sends the call of ``request`` again when its process is
-    lost: as a retry while it has retries left (``retry_on_worker_lost``, which takes
-    precedence), or by handing its message back (``acks_late`` with
-    ``reject_on_worker_lost``)."""
-    if retried_when_lost(task):
-        limit = task.max_retries
-        if limit is None or int(getattr(request, "retries", 0) or 0) < limit:
-            return True
-    return bool(task.acks_late and task.reject_on_worker_lost)
+#: Whether this Celery retries the call of a lost process (``retry_on_worker_lost``).
+_CELERY_RETRIES_WHEN_LOST = hasattr(CeleryRequest, "_retry_worker_lost")
 
 
 def _comes_back(exc: BaseException) -> bool:

@@ -255,20 +255,22 @@ class ExclusiveTask(Task):
         ``retry(throw=False)``, released when it returns.
 
         A body running as the pending rerun of its key (``exclusive_on_duplicate=
-        "rerun"``) runs with the newest duplicate's arguments, not its message's; a
-        retry that names none is sent with those.
+        "rerun"``) runs with the newest duplicate's arguments, not its message's
+        (``self.request.args`` and ``kwargs``); a retry is sent with those, for
+        whichever of ``args`` and ``kwargs`` it is not given.
         """
         current = attempt.current()
         if (
             current is not None
             and current.arguments is not None
             and current.call.task_id == self.request.id
-            and args is None
-            and kwargs is None
         ):
             # The body runs as the pending rerun of its key, with the newest duplicate's
-            # arguments rather than its message's: the retry goes with them.
-            args, kwargs = policies.decode_call(current.arguments)
+            # arguments rather than its message's (``self.request.args``): the retry
+            # goes with them, where it is not given its own.
+            pending_args, pending_kwargs = policies.decode_call(current.arguments)
+            args = pending_args if args is None else args
+            kwargs = pending_kwargs if kwargs is None else kwargs
         handing_off = current is not None and throw
         if handing_off:
             current.handing_off = True

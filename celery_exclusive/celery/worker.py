@@ -80,7 +80,8 @@ class ExclusiveRequest(Request):
         exc = getattr(exc_info, "exception", None)
         exc = getattr(exc, "exc", exc)  # Celery wraps it in ExceptionWithTraceback
         if isinstance(exc, WorkerLostError):
-            self._release_dead_holder(*_when_lost(self.task, self._context))
+            retried = self.__dict__.get("_exclusive_retried")
+            self._release_dead_holder(*when_lost(self.task, retried))
         elif isinstance(exc, Terminated):  # revoke(terminate=True): Celery acks the message
             self._release_dead_holder(acknowledged=True)
 
@@ -92,14 +93,15 @@ class ExclusiveRequest(Request):
         A body that ran as the pending rerun of its key ran with the newest duplicate's
         arguments, which its note carries: the call is sent again with them.
 
-        Not when Celery sends it again itself (``retry_on_worker_lost``, or ``acks_late``
-        with ``reject_on_worker_lost``): the call must not be sent twice.
+        Not when Celery hands the message back itself (``acks_late`` with
+        ``reject_on_worker_lost``): the call must not be sent twice. (Sent here, the
+        call is not retried by Celery as well: its report of the death stops here.)
         """
         task = self.task
         if not is_exclusive_task(task):
             return False
         note = kill_notes.take_kill_note(self.id, self.worker_pid)
-        if note is None or execution.comes_back_when_lost(task, self._context):
+        if note is None or (task.acks_late and task.reject_on_worker_lost):
             return False
         request = self._context
         try:
@@ -127,6 +129,13 @@ class ExclusiveRequest(Request):
             "task-retried", exception=safe_repr(exc), traceback=safe_str(exc_info.traceback)
         )
         return True
+
+    def _retry_worker_lost(self, exc: BaseException, exc_info: Any) -> bool:
+        # Celery 5.7's retry of a call whose process was lost (retry_on_worker_lost):
+        # whether it was sent decides what the death leaves to do (see when_lost).
+        retried = super()._retry_worker_lost(exc, exc_info)  # type: ignore[misc]
+        self.__dict__["_exclusive_retried"] = bool(retried)
+        return retried
 
     def _child_exited(self, pid: int) -> None:
         """In the watcher's thread: the child running this call exited. Unless Celery has
@@ -169,7 +178,7 @@ class ExclusiveRequest(Request):
             key = task.exclusive_key_for(tuple(self.args or ()), dict(self.kwargs or {}))
             backend = task.exclusive_backend
             held = reaper.held_here(backend, key, self.id, task.exclusive_settings.limit)
-            if task.exclusive_settings.scope != "run":
+            if task.exclusive_settings.scope != "run" and not comes_back:
                 marks.clear_mark(backend, key, marks.QUEUED, self.id)
             if acknowledged and task.acks_late:
                 retries = int((self.request_dict or {}).get("retries") or 0)
@@ -212,15 +221,21 @@ class ExclusiveRequest(Request):
             logger.warning("could not hand on the pending rerun of lost task %s: %s", self.id, exc)
 
 
-def _when_lost(task: Any, request: Any) -> tuple[bool, bool]:
-    """What Celery does with the message of a call whose process was lost, as
-    ``(acknowledged, comes_back)``: a retry while retries are left
-    (``retry_on_worker_lost``, which takes precedence: acknowledged, and the call comes
-    back); else, with ``acks_late`` and ``reject_on_worker_lost``, the message handed
-    back (it comes back); else the failure stored and the message acknowledged."""
-    if execution.comes_back_when_lost(task, request):
-        return execution.retried_when_lost(task), True
-    return True, False
+def when_lost(task: Any, retried: Optional[bool]) -> tuple[bool, bool]:
+    """What Celery did with the message of a call whose process was lost, as
+    ``(acknowledged, comes_back)``; ``retried``: whether Celery sent a retry of it
+    (``retry_on_worker_lost``), None if it did not try.
+
+    A retry sent: the message is acknowledged, and the call comes back (Celery 5.7's
+    ``Request.on_failure``). Otherwise, with ``acks_late`` and ``reject_on_worker_lost``
+    the message goes back to the broker, unless ``retry_on_worker_lost`` found the
+    retries spent; anything else stores the failure and acknowledges the message.
+    """
+    spent = retried is None and execution.retried_when_lost(task)
+    if retried:
+        return True, True
+    handed_back = bool(task.acks_late and task.reject_on_worker_lost) and not spent
+    return not handed_back, handed_back
 
 
 class CheckExclusiveSettings(bootsteps.Step):
