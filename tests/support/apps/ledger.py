@@ -346,11 +346,14 @@ def look(task, key: str, version: int, duration: float) -> dict:
     reject_on_worker_lost=True,
 )
 def redelivered_webhook(self, key: str, version: int, duration: float = 0.0) -> dict:
-    """``webhook`` whose message the broker delivers again when its process dies. Each
-    run notes in ``started`` the change it started with."""
-    started = {"key": key, "pid": os.getpid(), "version": version}
-    ledger().rpush("started", json.dumps(started))
-    return look(self, key, version, duration)
+    """``webhook`` whose message the broker delivers again when its process dies."""
+    return look_noting_start(self, key, version, duration)
+
+
+def look_noting_start(task, key: str, version: int, duration: float) -> dict:
+    """``look``, noting first in ``started`` the change the run starts with, and where."""
+    ledger().rpush("started", json.dumps({"key": key, "pid": os.getpid(), "version": version}))
+    return look(task, key, version, duration)
 
 
 @app.task(
@@ -364,9 +367,7 @@ def redelivered_webhook(self, key: str, version: int, duration: float = 0.0) -> 
 def retried_when_lost_webhook(self, key: str, version: int, duration: float = 0.0) -> dict:
     """``redelivered_webhook`` without ``acks_late``: Celery retries it when its process
     dies (``retry_on_worker_lost``)."""
-    started = {"key": key, "pid": os.getpid(), "version": version}
-    ledger().rpush("started", json.dumps(started))
-    return look(self, key, version, duration)
+    return look_noting_start(self, key, version, duration)
 
 
 @app.task(base=ExclusiveTask, bind=True, exclusive_key="{key}", exclusive_on_duplicate="rerun")
