@@ -178,15 +178,15 @@ def _host(task: Any, settings: config.Settings, direct: bool, redelivery: bool) 
     )
 
 
+#: Whether this Celery retries the call of a lost process (``retry_on_worker_lost``).
+_CELERY_RETRIES_WHEN_LOST = hasattr(CeleryRequest, "_retry_worker_lost")
+
+
 def retried_when_lost(task: Any) -> bool:
     """Whether Celery sends a call whose process was lost again, as a retry of it with
     its message's arguments, while it has retries left (``retry_on_worker_lost``: Celery
     5.7 and later; an earlier Celery ignores the option)."""
     return bool(getattr(task, "retry_on_worker_lost", False)) and _CELERY_RETRIES_WHEN_LOST
-
-
-#: Whether this Celery retries the call of a lost process (``retry_on_worker_lost``).
-_CELERY_RETRIES_WHEN_LOST = hasattr(CeleryRequest, "_retry_worker_lost")
 
 
 def _comes_back(exc: BaseException) -> bool:

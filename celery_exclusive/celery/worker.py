@@ -187,8 +187,7 @@ class ExclusiveRequest(Request):
                 # The call is over: what a delivery would have resumed with goes (the
                 # run it had is lost with the process, as any run is).
                 kept = marks.resume_arguments(backend, key, self.id)
-                if kept is not None:
-                    marks.drop_resume(backend, key, self.id, kept)
+                marks.drop_resume(backend, key, self.id, kept)  # none kept: nothing sent
         except (ExclusiveError, TypeError) as exc:  # TypeError: arguments that never bound
             logger.warning("could not free the lease of lost task %s: %s", self.id, exc)
             return
@@ -231,9 +230,9 @@ def when_lost(task: Any, retried: Optional[bool]) -> tuple[bool, bool]:
     the message goes back to the broker, unless ``retry_on_worker_lost`` found the
     retries spent; anything else stores the failure and acknowledges the message.
     """
-    spent = retried is None and execution.retried_when_lost(task)
     if retried:
         return True, True
+    spent = retried is None and execution.retried_when_lost(task)
     handed_back = bool(task.acks_late and task.reject_on_worker_lost) and not spent
     return not handed_back, handed_back
 

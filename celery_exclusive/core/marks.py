@@ -25,8 +25,9 @@ read-then-swap loop on it, so a store needs nothing more to support them.
   delivered again later (a broker's redelivery under ``acks_late``) does not run the
   body a second time.
 - A **resume mark** (kind ``resume``, one per task id and key, beside its finished mark)
-  keeps the arguments a call whose message may come again (``acks_late``) runs with as
-  the pending rerun of its key, until its attempt ends. The message comes back with the
+  keeps the arguments a call whose message may come again (Celery's ``acks_late``, or
+  ``retry_on_worker_lost``) runs with as the pending rerun of its key, until its
+  attempt ends. The message comes back with the
   arguments it was sent with; the run it resumes had the newest duplicate's, which the
   pending rerun's mark gave up when the run took them.
 """
