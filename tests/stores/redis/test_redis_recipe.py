@@ -27,6 +27,7 @@ from celery_exclusive import (
 )
 from celery_exclusive.backends import _load
 from celery_exclusive.backends.base import Lease
+from celery_exclusive.backends.redis import recipe
 from celery_exclusive.backends.redis.recipe import RecipeLayout, SetNxBackend, beside
 from celery_exclusive.core import policies
 from celery_exclusive.core.config import Settings
@@ -190,12 +191,19 @@ def test_a_python_redis_lock_waiter_wakes_at_our_release(recipe_url, client):
     theirs.release()
 
 
-def test_our_waiter_never_takes_a_wake_up_meant_for_python_redis_lock_waiters(recipe_url, client):
+def test_our_waiter_never_takes_a_wake_up_meant_for_python_redis_lock_waiters(
+    recipe_url, client, monkeypatch
+):
+    # Our waiter looks at a foreign holder every FOREIGN_POLL s; a look that fell between
+    # the release's DEL and their woken waiter's SET NX would take the free key fairly,
+    # by the recipe. Looks 3 s apart keep them far from the release at 0.5 s. Ours starts
+    # waiting first: a waiter of ours blocked on their wake-up list would be served the
+    # release's one wake-up before theirs (Redis serves blocked clients first come, first
+    # served), and take the key.
+    monkeypatch.setattr(recipe, "FOREIGN_POLL", 3.0)
     holder = redis_lock.Lock(client, "invoice:7", expire=10)
     holder.acquire()
     theirs, taken, ours = redis_lock.Lock(client, "invoice:7", expire=10), [], []
-    waiter = threading.Thread(target=lambda: taken.append((theirs.acquire(), time.monotonic())))
-    waiter.start()
     mine = ExclusiveLock("lock:invoice:7", recipe_url, wait=20)
 
     def ours_waits() -> None:
@@ -204,6 +212,9 @@ def test_our_waiter_never_takes_a_wake_up_meant_for_python_redis_lock_waiters(re
 
     ours_thread = threading.Thread(target=ours_waits)
     ours_thread.start()
+    time.sleep(0.3)
+    waiter = threading.Thread(target=lambda: taken.append((theirs.acquire(), time.monotonic())))
+    waiter.start()
     time.sleep(0.5)
     released_at = time.monotonic()
     holder.release()
