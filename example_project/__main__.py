@@ -110,27 +110,31 @@ def main(backend: str | None, workers: int, redis_url: str | None) -> None:
         sent = send_webhooks(example)
         handover = run_beats(example, beats, started)
         rq_rows = run_rq(redis_url, var) if redis_url else None
-        events = wait_for_outcomes(journal, example.JOURNAL, sent)
+        events = wait_for_outcomes(journal, example.JOURNAL, sent, var)
     finally:
         for proc in beats + procs:
             proc.stop()
-    print_report(events, sent, example.settle.exclusive_settings.backend_url, handover, rq_rows)
+    sent_per_task = Counter(call.split("(")[0] for call in sent.values())
+    store = example.settle.exclusive_settings.backend_url
+    print_report(events, sent_per_task, store, handover, rq_rows)
     shutil.rmtree(var, ignore_errors=True)
-    if overlapping_runs(events):
+    if overlapping_runs(events) or any(e["event"] == "failed" for e in events):
         sys.exit(1)
 
 
-def send_webhooks(example) -> Counter:
-    """Each event's copies go out back to back, as a retrying webhook sender does."""
-    sent: Counter = Counter()
+def send_webhooks(example) -> dict[str, str]:
+    """Each event's copies go out back to back, as a retrying webhook sender does.
+
+    Returns the task ids sent, and for each, what it was."""
+    sent: dict[str, str] = {}
     for invoice in INVOICES:
         for _ in range(SENDS_PER_EVENT):
-            example.settle.delay(invoice)
-            sent["settle"] += 1
+            sent[example.settle.delay(invoice).id] = f"settle({invoice})"
     for calendar in CALENDARS:
         for change in range(1, CHANGES_PER_CALENDAR + 1):
-            example.sync_calendar.delay(calendar, change)
-            sent["sync_calendar"] += 1
+            sent[example.sync_calendar.delay(calendar, change).id] = (
+                f"sync_calendar({calendar}, {change})"
+            )
     return sent
 
 
@@ -228,16 +232,32 @@ def run_rq(redis_url: str, var: Path) -> list[tuple]:
     return rows
 
 
-def wait_for_outcomes(journal, path: str, sent: Counter, timeout: float = 90) -> list[dict]:
-    """Every call ends ran, skipped or coalesced (requeues are on the way)."""
+def wait_for_outcomes(journal, path: str, sent: dict[str, str], var: Path, timeout: float = 90):
+    """Every call ends ran, skipped, coalesced or failed (requeues are on the way).
+
+    A call that has not ended by ``timeout`` is named, with what the workers logged of
+    it, and the run's folder is kept."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while True:
         events = journal.events(path) if os.path.exists(path) else []
-        ended = Counter(e["task"] for e in events if e["event"] != "requeued")
-        if all(ended[task] >= count for task, count in sent.items()):
+        ended = {e["task_id"] for e in events if e["event"] != "requeued"}
+        waiting = [task_id for task_id in sent if task_id not in ended]
+        if not waiting:
             return events
+        if time.monotonic() > deadline:
+            break
         time.sleep(0.2)
-    raise click.ClickException(f"not every call finished within {timeout}s")
+    lines = [f"not every call ended within {timeout:.0f}s; the run's logs are in {var}"]
+    for task_id in waiting:
+        logged = [
+            f"  {log.name}: {line}"
+            for log in sorted(var.glob("worker*.log"))
+            for line in log.read_text(errors="replace").splitlines()
+            if task_id in line
+        ]
+        said = "; the workers logged:" if logged else "; no worker logged it"
+        lines += [f"{sent[task_id]} [{task_id}]: no end{said}", *logged]
+    raise click.ClickException("\n".join(lines))
 
 
 def overlapping_runs(events: list[dict]) -> int:
@@ -263,6 +283,8 @@ def print_report(events, sent, store, handover, rq_rows) -> None:
             requeues = sum(1 for e in evs if e["event"] == "requeued")
             outcome = f"ran after {requeues} requeue(s)" if requeues else "ran"
             token = str(final["fencing_token"])
+        elif final["event"] == "failed":
+            outcome, token = "FAILED", "-"
         elif final["event"] == "coalesced":
             outcome, token = f"coalesced into {short(final['holder'])}", "-"
         else:

@@ -141,7 +141,8 @@ def _note_requeue(sender, key, task_id, policy, holder_task_id, **kwargs):
 
 @task_failure.connect
 def _note_excluded(sender, task_id, exception, args, kwargs, **extra):
-    """A skipped or coalesced duplicate ends as a failure carrying whom it yielded to."""
+    """A skipped or coalesced duplicate ends as a failure carrying whom it yielded to;
+    any other failure is written down as one, with its error."""
     if isinstance(exception, DuplicateSkipped):
         journal.record(
             JOURNAL,
@@ -150,4 +151,13 @@ def _note_excluded(sender, task_id, exception, args, kwargs, **extra):
             key=exception.key.split(":", 1)[1],
             event="coalesced" if isinstance(exception, DuplicateCoalesced) else "skipped",
             holder=exception.holder_task_id,
+        )
+    else:
+        journal.record(
+            JOURNAL,
+            task_id=task_id,
+            task=sender.name,
+            key=", ".join(map(str, args)),
+            event="failed",
+            note=f"{type(exception).__name__}: {exception}",
         )
