@@ -221,17 +221,19 @@ class Backend(abc.ABC):
         claimant: Optional[str],
         mark: tuple[str, str],
     ) -> tuple[Optional[Lease], Optional[str]]:
-        """:meth:`try_acquire`, then, if it granted, :meth:`read_mark` of ``mark`` (a
-        ``(key, kind)`` pair); ``(None, None)`` when it did not grant.
+        """:meth:`try_acquire`, then :meth:`read_mark` of ``mark`` (a ``(key, kind)``
+        pair), granted or not: ``(grant or None, value or None)``.
 
-        A call that may be a second copy of its message reads, as it takes the key,
+        A call that may be a second copy of its message reads, as it tries the key,
         whether its attempt already ran to the end. The read comes after the grant,
-        so it sees what the previous holder wrote before it released. A store that can
-        send both in one round trip, in that order, overrides this.
+        so it sees what the previous holder wrote before it released. Refused, the copy
+        still needs it: one whose attempt ended must not act as a duplicate (join a
+        pending rerun with its old arguments, leave a skip over its result). A store
+        that can send both in one round trip, in that order, overrides this.
         """
         grant = self.try_acquire(key, owner, ttl, limit, holder, claimant=claimant)
         if grant is None:
-            return None, None
+            return None, self.read_mark(*mark)
         try:
             return grant, self.read_mark(*mark)
         except ExclusiveError:

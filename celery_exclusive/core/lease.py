@@ -459,14 +459,15 @@ def acquire_and_read_mark(
     mark: tuple[str, str],
 ) -> tuple[Optional[HeldLease], Optional[str]]:
     """:func:`acquire`, reading the mark ``mark`` (``(key, kind)``) right after the
-    grant, in the same round trip where the store can: ``(None, None)`` if not granted."""
+    attempt, in the same round trip where the store can: ``(None, value)`` if not
+    granted."""
     record = _record(name, task_id, ttl, limit, None)
     sent_at = time.monotonic()
     grant, value = backend.try_acquire_and_read_mark(
         key, new_owner(), ttl, limit, record, claimant, mark
     )
     if grant is None:
-        return None, None
+        return None, value
     return _hold(backend, grant, name, task_id, sent_at), value
 
 

@@ -289,6 +289,13 @@ def attempt_of(mark: Optional[str]) -> Optional[int]:
     return None if mark is None else int(mark)
 
 
+def ended(mark: Optional[str], retries: int) -> bool:
+    """Whether the finished mark ``mark`` says attempt ``retries`` (or a later retry) of
+    its task ran to the end: a delivery of that attempt's message is a copy to drop."""
+    finished = attempt_of(mark)
+    return finished is not None and finished >= retries
+
+
 def mark_finished(backend: Backend, key: str, task_id: str, retries: int, ttl: float) -> None:
     """Record that attempt ``retries`` of ``task_id`` on ``key`` ended; keep the highest."""
     name = finished_key(key, task_id)

@@ -3,9 +3,9 @@
 :func:`claim` returns one outcome and the integration (Celery task or RQ job)
 carries it out in its own terms: :class:`Run` the body under the lease,
 :class:`Skip` with a terminal result naming the holder, :class:`Coalesce` into the
-pending rerun, :class:`Requeue` after a delay, or :class:`Redelivered` (a second copy
-of a call that is running now) set aside without a trace. Nothing here knows Celery
-or RQ.
+pending rerun, :class:`Requeue` after a delay, :class:`Redelivered` (a second copy
+of a call that is running now) set aside without a trace, or :class:`Ended` (a copy of
+a call that ran to the end) dropped without one. Nothing here knows Celery or RQ.
 """
 
 from __future__ import annotations
@@ -78,7 +78,17 @@ class Redelivered:
     countdown: float
 
 
-Outcome = Union[Run, Skip, Coalesce, Requeue, Redelivered]
+@dataclass(frozen=True)
+class Ended:
+    """A copy of a call whose attempt already ran to the end (its finished mark, read
+    as it tried the key, says so) found the key held: the broker delivered its message
+    again after the run (an acknowledgement lost with its worker or its connection). It
+    is no duplicate: it must not join a pending rerun, wait, run, nor leave a result."""
+
+    key: str
+
+
+Outcome = Union[Run, Skip, Coalesce, Requeue, Redelivered, Ended]
 
 
 @feed.reported
@@ -91,18 +101,20 @@ def claim(
     requeues: int = 0,
     arguments: Optional[str] = None,
     redelivery: bool = False,
+    retries: int = 0,
 ) -> Outcome:
     """Take ``key`` or decide what the duplicate gets under ``settings.on_duplicate``.
 
     ``arguments`` (JSON) is what a ``rerun`` duplicate hands to the pending rerun.
     With ``redelivery`` (a broker may deliver this call's message twice), a call whose
-    own ``task_id`` holds the key is :class:`Redelivered`, whatever the policy.
+    own ``task_id`` holds the key is :class:`Redelivered`, and one whose attempt
+    ``retries`` already ended is :class:`Ended`, whatever the policy.
     Raises :class:`BackendUnavailable` if the store does not answer; what happens then
     (``on_backend_error``) is the integration's call, since only it can requeue.
     """
     finished_read, finished = False, None
     if redelivery and task_id:
-        # Whether this attempt already ran to the end, read as the key is taken.
+        # Whether this attempt already ran to the end, read as the key is tried.
         mark = (marks.finished_key(key, task_id), marks.DONE)
         lease, finished = acquire_and_read_mark(
             backend, key, settings.lease_ttl, settings.limit, name, task_id, task_id, mark
@@ -127,6 +139,8 @@ def claim(
     holders = [info.task_id for info in infos if info.task_id]
     if redelivery and task_id in holders:
         return Redelivered(key, requeue_delay(settings, requeues))
+    if redelivery and marks.ended(finished, retries):
+        return Ended(key)
     holder = next(iter(holders), None) or next(iter(marks.line_of(backend, key)), None)
     described = None if holders else described_holder(infos)
     if settings.priority and task_id:

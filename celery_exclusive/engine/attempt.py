@@ -253,6 +253,7 @@ class Attempt:
                 requeues=call.requeues,
                 arguments=arguments,
                 redelivery=host.redelivery and bool(call.task_id),
+                retries=call.retries,
             )
             if isinstance(outcome, policies.Run) and host.redelivery and call.task_id:
                 with outcome.lease.released_on_error():
@@ -267,6 +268,9 @@ class Attempt:
 
         if isinstance(outcome, policies.Redelivered):
             return outcomes.SetAside(call.key, outcome.countdown, call.requeues + 1)
+        if isinstance(outcome, policies.Ended):
+            self._drop_resume()
+            return outcomes.Dropped(call.key)
         if isinstance(outcome, (outcomes.Skipped, outcomes.Coalesced)):
             self._drop_resume()  # the call ends here: what it resumed runs elsewhere
             return outcome
@@ -373,8 +377,7 @@ class Attempt:
         else:
             mark = marks.finished_mark(lease.backend, lease.key, call.task_id or "")
         self._finished_mark, self._finished_read = mark, True
-        finished = marks.attempt_of(mark)
-        if finished is None or finished < call.retries:
+        if not marks.ended(mark, call.retries):
             return None
         lease.release()
         return outcomes.Dropped(lease.key)

@@ -225,6 +225,36 @@ def test_a_pending_rerun_stopped_by_its_lost_lease_is_delivered_again_with_the_p
     assert rerun["version"] == 3, "the coalesced duplicates' change was lost"
 
 
+def dropped_by_a_worker(cluster, task_id: str) -> bool:
+    """Whether a worker dropped a copy of ``task_id``'s message as one of an ended run."""
+    return any(
+        "redelivered copy dropped key=" in line and task_id in line
+        for worker in cluster.workers
+        for line in worker.output().splitlines()
+    )
+
+
+def test_a_message_delivered_again_after_its_run_leaves_the_pending_rerun_the_newest_change(
+    cluster,
+):
+    # An acks_late message can come again after its run ended (its acknowledgement
+    # lost with the worker's connection): here, while a later call holds the key and
+    # a newer change waits as the pending rerun.
+    key, task = "late-copy", ledger_app.redelivered_webhook
+    first = task.delay(key, 1)
+    assert first.get(timeout=30)["version"] == 1
+    store = backend_for_url(cluster.store)
+    with ExclusiveLock("exclusive:" + key, cluster.store, cluster.ttl, name="test holder"):
+        pending = task.delay(key, 2)
+        assert wait_until(lambda: marks.pending_rerun(store, "exclusive:" + key) == pending.id, 15)
+        task.apply_async((key, 1), task_id=first.id)  # the same message, once more
+        assert wait_until(lambda: dropped_by_a_worker(cluster, first.id), timeout=15)
+    assert pending.get(timeout=30)["version"] == 2, "the copy handed the rerun its old change"
+    assert first.state == "SUCCESS" and first.get(timeout=5)["version"] == 1
+    seen = [json.loads(v)["task_id"] for v in cluster.ledger.lrange("versions", 0, -1)]
+    assert seen.count(first.id) == 1, "the copy ran again"
+
+
 def test_a_pending_rerun_that_retries_is_retried_with_the_pending_arguments(cluster):
     store = backend_for_url(cluster.store)
     task = ledger_app.retried_webhook

@@ -6,6 +6,7 @@ Celery and RQ workers are in ``test_same_outcome_on_both_hosts.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -108,6 +109,46 @@ def test_a_second_delivery_of_an_attempt_that_ended_is_dropped(memory_url):
     call = a_call(memory_url)
     assert attempt.run(call, ACKS_LATE, lambda args, kwargs: "first") == outcomes.Ran("first")
     assert attempt.run(call, ACKS_LATE, pytest.fail) == outcomes.Dropped(call.key)
+
+
+def test_a_copy_of_an_attempt_that_ended_finding_its_key_held_is_dropped_not_skipped(
+    memory_url,
+):
+    call = a_call(memory_url, on_duplicate="skip")
+    attempt.run(call, ACKS_LATE, lambda args, kwargs: "first")
+    with holding(call):  # a later call holds the key when the message comes again
+        assert attempt.run(call, ACKS_LATE, pytest.fail) == outcomes.Dropped(call.key)
+
+
+def test_a_copy_of_an_attempt_that_ended_leaves_the_pending_rerun_its_arguments(memory_url):
+    call = a_call(memory_url, on_duplicate="rerun")
+    attempt.run(call, ACKS_LATE, lambda args, kwargs: "first")
+    newer = policies.encode_call(call.name, (4,), {})
+    with holding(call):
+        marks.join_rerun(call.backend, call.key, "task-4", newer, ttl=30)
+        outcome = attempt.run(call, ACKS_LATE, pytest.fail)
+        pending = json.loads(call.backend.read_mark(call.key, marks.RERUN))
+    assert outcome == outcomes.Dropped(call.key)
+    assert (pending["task_id"], pending["arguments"]) == ("task-4", newer)
+
+
+def test_a_copy_of_an_attempt_that_ended_does_not_become_the_pending_rerun(memory_url):
+    call = a_call(memory_url, on_duplicate="rerun")
+    attempt.run(call, ACKS_LATE, lambda args, kwargs: "first")
+    with holding(call):
+        outcome = attempt.run(call, ACKS_LATE, pytest.fail)
+        pending = call.backend.read_mark(call.key, marks.RERUN)
+    assert outcome == outcomes.Dropped(call.key)
+    assert pending is None
+
+
+def test_a_retry_of_an_attempt_that_ended_finding_its_key_held_is_a_duplicate(memory_url):
+    call = a_call(memory_url, on_duplicate="skip")
+    attempt.run(call, ACKS_LATE, lambda args, kwargs: "first")
+    retry = dataclasses.replace(call, retries=1)  # retry() sent it again: attempt 1
+    with holding(call):
+        outcome = attempt.run(retry, ACKS_LATE, pytest.fail)
+    assert isinstance(outcome, outcomes.Skipped)
 
 
 def lose_the_lease(args, kwargs):

@@ -272,7 +272,7 @@ class RedisBackend(Backend):
         self._fresh_master()
         claim = (key, owner, ttl, limit, holder, claimant)
         grant, value = self._acquire_then(*claim, "GET", self.layout.mark(*mark))
-        return grant, None if grant is None or value is None else _text(value)
+        return grant, None if value is None else _text(value)
 
     def _acquire_then(
         self,
