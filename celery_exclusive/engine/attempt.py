@@ -385,10 +385,15 @@ class Attempt:
     # --- the body --------------------------------------------------------------------------
 
     def _run_unlocked(self, lease: UnlockedLease, body: Body) -> outcomes.Ran:
-        """``on_backend_error="run"``: the body runs without a lease, and says so."""
+        """``on_backend_error="run"``: the body runs without a lease, and says so; with
+        the arguments of the run it resumes, if the store gave them before it failed."""
         self.lease = lease
+        args, kwargs = self.call.args, self.call.kwargs
+        if self._resume is not None:
+            self.arguments = self._resume
+            args, kwargs = policies.decode_call(self._resume)
         with entered(self):
-            return outcomes.Ran(body(self.call.args, self.call.kwargs))
+            return outcomes.Ran(body(args, kwargs))
 
     def holding(self, lease: AnyLease) -> contextlib.AbstractContextManager[AnyLease]:
         """Run the ``with`` block as the body under ``lease``, and end the attempt on

@@ -214,6 +214,25 @@ def test_a_pending_rerun_delivered_again_after_its_body_was_stopped_runs_with_th
     assert ran_with == [((3,), {"changed": "later"})]
 
 
+def test_a_pending_rerun_delivered_again_runs_unlocked_with_the_pending_arguments(
+    memory_url, monkeypatch
+):
+    call = a_call(memory_url, on_duplicate="rerun", on_backend_error="run")
+    stopped_as_pending_rerun(call, policies.encode_call(call.name, (3,), {"changed": "later"}))
+
+    def unanswered(*args, **kwargs):
+        raise BackendUnavailable("the store did not answer", memory_url)
+
+    # The store answers the read of the kept arguments, then not the grant.
+    monkeypatch.setattr(call.backend, "try_acquire_and_read_mark", unanswered)
+    ran_with = []
+    outcome = attempt.run(
+        call, REDELIVERED_WHEN_STOPPED, lambda args, kwargs: ran_with.append((args, kwargs))
+    )
+    assert isinstance(outcome, outcomes.Ran)
+    assert ran_with == [((3,), {"changed": "later"})]
+
+
 def test_a_pending_rerun_delivered_again_while_its_key_is_held_is_pending_again_with_its_arguments(
     memory_url,
 ):
