@@ -134,13 +134,13 @@ def claim(
             return run
         return replace(run, finished_read=True, finished=finished)
 
+    if redelivery and marks.ended(finished, retries):
+        return Ended(key)  # even where a later attempt (a retry) holds the key
     # Whom this call yields to: a holder, or else whoever is first in line for the key.
     infos = backend.holders_of(key)
     holders = [info.task_id for info in infos if info.task_id]
     if redelivery and task_id in holders:
         return Redelivered(key, requeue_delay(settings, requeues))
-    if redelivery and marks.ended(finished, retries):
-        return Ended(key)
     holder = next(iter(holders), None) or next(iter(marks.line_of(backend, key)), None)
     described = None if holders else described_holder(infos)
     if settings.priority and task_id:

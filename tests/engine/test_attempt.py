@@ -142,6 +142,16 @@ def test_a_copy_of_an_attempt_that_ended_does_not_become_the_pending_rerun(memor
     assert pending is None
 
 
+def test_a_copy_of_an_attempt_that_ended_is_dropped_while_its_retry_holds_the_key(memory_url):
+    call = a_call(memory_url)
+    attempt.run(call, ACKS_LATE, lambda args, kwargs: "first")
+    retry = dataclasses.replace(call, retries=1)
+    outcome = attempt.run(
+        retry, ACKS_LATE, lambda args, kwargs: attempt.run(call, ACKS_LATE, pytest.fail)
+    )
+    assert outcome.result == outcomes.Dropped(call.key)
+
+
 def test_a_retry_of_an_attempt_that_ended_finding_its_key_held_is_a_duplicate(memory_url):
     call = a_call(memory_url, on_duplicate="skip")
     attempt.run(call, ACKS_LATE, lambda args, kwargs: "first")
