@@ -273,6 +273,7 @@ class Attempt:
             return outcomes.Dropped(call.key)
         if isinstance(outcome, (outcomes.Skipped, outcomes.Coalesced)):
             self._drop_resume()  # the call ends here: what it resumed runs elsewhere
+            self._record_end_without_body()
             return outcome
         if isinstance(outcome, policies.Requeue):
             reason = "held by " + describe_holder(outcome.holder_task_id, outcome.holder, host.noun)
@@ -292,6 +293,7 @@ class Attempt:
         requeues, limit = self.call.requeues, self.call.settings.requeue_max_retries
         if limit is not None and requeues >= limit:
             self._drop_resume()
+            self._record_end_without_body()
             return outcomes.GaveUp(self.call.key, requeues, reason, cause, holder)
         return outcomes.Requeue(self.call.key, countdown, reason, cause, requeues + 1, holder)
 
@@ -467,6 +469,28 @@ class Attempt:
         else:
             lease.release()
 
+    def _record_end_without_body(self) -> None:
+        """The call ends without its body (skipped, coalesced, given up): where its
+        message may come again, record that its attempt ended, as the end of a run does.
+        A copy delivered later is then dropped: it neither runs once the key is free
+        (a second settlement of what ``skip`` kept from running twice) nor joins the
+        pending rerun again (handing it older arguments than a later duplicate's)."""
+        call = self.call
+        if not (self.host.redelivery and call.task_id):
+            return
+        try:
+            marks.mark_finished(
+                call.backend, call.key, call.task_id, call.retries, self.host.finished_ttl
+            )
+        except ExclusiveError as exc:
+            logger.warning(
+                "could not record that %s[%s] ended without running (%s): a copy of its "
+                "message delivered again is taken for a new duplicate",
+                call.name,
+                call.task_id,
+                exc,
+            )
+
     def _drop_resume(self) -> None:
         """The attempt ended: the arguments kept for its task id, if any, go (a copy of
         its message that comes later is dropped by its finished mark)."""
@@ -496,18 +520,16 @@ class Attempt:
         """
         call, ttl = self.call, self.host.finished_ttl
         task_id = call.task_id or ""
-        if self._finished_read:
-            finished = marks.attempt_of(self._finished_mark)
-            if finished is None or finished < call.retries:
-                mark = (marks.finished_key(lease.key, task_id), marks.DONE)
-                expected, new = self._finished_mark, str(call.retries)
-                if write is not None:
-                    written = lease.release_and_write(write, (mark, expected, new, ttl))
-                    if written is not None:
-                        self.result_written = written
-                        return True
-                elif lease.release_after_mark(mark, expected, new, ttl) is not None:
+        if self._finished_read and not marks.ended(self._finished_mark, call.retries):
+            mark = (marks.finished_key(lease.key, task_id), marks.DONE)
+            expected, new = self._finished_mark, str(call.retries)
+            if write is not None:
+                written = lease.release_and_write(write, (mark, expected, new, ttl))
+                if written is not None:
+                    self.result_written = written
                     return True
+            elif lease.release_after_mark(mark, expected, new, ttl) is not None:
+                return True
         marks.mark_finished(lease.backend, lease.key, task_id, call.retries, ttl)
         return False
 

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from celery_exclusive import DuplicateCoalesced, backend_for_url
+from celery_exclusive import DuplicateCoalesced, DuplicateSkipped, backend_for_url
 from celery_exclusive.core import marks
 from celery_exclusive.core.lock import ExclusiveLock
 from tests.support.apps import ledger as ledger_app
@@ -253,6 +253,37 @@ def test_a_message_delivered_again_after_its_run_leaves_the_pending_rerun_the_ne
     assert first.state == "SUCCESS" and first.get(timeout=5)["version"] == 1
     seen = [json.loads(v)["task_id"] for v in cluster.ledger.lrange("versions", 0, -1)]
     assert seen.count(first.id) == 1, "the copy ran again"
+
+
+def test_a_coalesced_duplicate_delivered_again_leaves_the_pending_rerun_the_newest_change(
+    cluster,
+):
+    key, task = "coalesced-copy", ledger_app.redelivered_webhook
+    store = backend_for_url(cluster.store)
+    with ExclusiveLock("exclusive:" + key, cluster.store, cluster.ttl, name="test holder"):
+        pending = task.delay(key, 1)
+        assert wait_until(lambda: marks.pending_rerun(store, "exclusive:" + key) == pending.id, 15)
+        coalesced = [task.delay(key, version) for version in (2, 3)]
+        for call in coalesced:
+            with pytest.raises(DuplicateCoalesced):
+                call.get(timeout=30)
+        task.apply_async((key, 2), task_id=coalesced[0].id)  # its message, once more
+        assert wait_until(lambda: dropped_by_a_worker(cluster, coalesced[0].id), timeout=15)
+    assert pending.get(timeout=30)["version"] == 3, "the copy handed the rerun its old change"
+
+
+def test_a_skipped_duplicate_delivered_again_once_the_key_is_free_does_not_run(cluster):
+    # Skipped so that it would not run twice: its message coming again (its
+    # acknowledgement lost) must not run it once the key is free.
+    key, task = "skipped-copy", ledger_app.hold_acks_late
+    with ExclusiveLock("exclusive:" + key, cluster.store, cluster.ttl, name="test holder"):
+        skipped = task.delay(key, 0.0)
+        with pytest.raises(DuplicateSkipped):
+            skipped.get(timeout=30)
+    task.apply_async((key, 0.0), task_id=skipped.id)  # its message, once more
+    assert wait_until(lambda: dropped_by_a_worker(cluster, skipped.id), timeout=15)
+    assert [e for e in read_ledger(cluster.ledger) if e["task_id"] == skipped.id] == []
+    assert skipped.state == "FAILURE"
 
 
 def test_a_pending_rerun_that_retries_is_retried_with_the_pending_arguments(cluster):

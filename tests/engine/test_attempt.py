@@ -161,6 +161,42 @@ def test_a_retry_of_an_attempt_that_ended_finding_its_key_held_is_a_duplicate(me
     assert isinstance(outcome, outcomes.Skipped)
 
 
+def test_a_skipped_duplicate_delivered_again_once_the_key_is_free_is_dropped_not_run(
+    memory_url,
+):
+    call = a_call(memory_url, on_duplicate="skip")
+    with holding(call):
+        assert isinstance(attempt.run(call, ACKS_LATE, pytest.fail), outcomes.Skipped)
+    assert attempt.run(call, ACKS_LATE, pytest.fail) == outcomes.Dropped(call.key)
+
+
+def test_a_coalesced_duplicate_delivered_again_leaves_a_newer_change_pending(memory_url):
+    call = a_call(memory_url, on_duplicate="rerun", wait_timeout=0.2)
+    newer = policies.encode_call(call.name, (4,), {})
+    with holding(call):
+        marks.join_rerun(call.backend, call.key, "task-0", "{}", ttl=30)
+        assert isinstance(attempt.run(call, ACKS_LATE, pytest.fail), outcomes.Coalesced)
+        marks.join_rerun(call.backend, call.key, "task-4", newer, ttl=30)  # a later change
+        again = attempt.run(call, ACKS_LATE, pytest.fail)
+        pending = json.loads(call.backend.read_mark(call.key, marks.RERUN))
+    assert again == outcomes.Dropped(call.key)
+    assert (pending["task_id"], pending["arguments"]) == ("task-0", newer)
+
+
+def test_a_duplicate_that_gave_up_delivered_again_is_dropped(memory_url):
+    call = a_call(memory_url, on_duplicate="requeue", requeue_max_retries=0)
+    with holding(call):
+        assert isinstance(attempt.run(call, ACKS_LATE, pytest.fail), outcomes.GaveUp)
+    assert attempt.run(call, ACKS_LATE, pytest.fail) == outcomes.Dropped(call.key)
+
+
+def test_a_duplicate_whose_message_cannot_come_again_records_no_end(memory_url):
+    call = a_call(memory_url, on_duplicate="skip")
+    with holding(call):
+        attempt.run(call, WORKER, pytest.fail)
+    assert marks.finished_mark(call.backend, call.key, "task-1") is None
+
+
 def lose_the_lease(args, kwargs):
     """A body whose lease is found lost while it runs, and which stops there."""
     lease = attempt.current_lease()
