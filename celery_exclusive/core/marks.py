@@ -284,28 +284,65 @@ def finished_mark(backend: Backend, key: str, task_id: str) -> Optional[str]:
     return backend.read_mark(finished_key(key, task_id), DONE)
 
 
+# A finished mark is a whole number: ``retries`` for an attempt whose body ran to the end,
+# ``-(retries + 1)`` for one that ended as a duplicate, without its body (skipped,
+# coalesced, given up). A worker of an earlier version reads the negative value as "no
+# attempt ended", and its copies act as they did before, rather than fail to parse it.
+
+
 def attempt_of(mark: Optional[str]) -> Optional[int]:
     """The ``retries`` count a finished mark holds, or None for no mark."""
-    return None if mark is None else int(mark)
+    if mark is None:
+        return None
+    value = int(mark)
+    return value if value >= 0 else -value - 1
 
 
-def ended(mark: Optional[str], retries: int) -> bool:
+def run_recorded(mark: Optional[str], retries: int) -> bool:
+    """Whether the finished mark ``mark`` records the end of the run of attempt
+    ``retries``, or of a later attempt: what the end of that run need not write."""
+    return mark is not None and _finished_order(int(mark)) >= (retries, True)
+
+
+def ended(mark: Optional[str], retries: int, resumed: bool = False) -> bool:
     """Whether the finished mark ``mark`` says attempt ``retries`` (or a later retry) of
-    its task ran to the end: a delivery of that attempt's message is a copy to drop."""
+    its task ended: a delivery of that attempt's message is a copy to drop.
+
+    A call ``resumed`` (sent again by the library to resume a run stopped by the loss
+    of its lease) is dropped only once a run ended: a copy of its message taken for a
+    duplicate meanwhile (the broker's, while the run was being stopped) does not end
+    the run it resumes."""
+    if run_recorded(mark, retries):
+        return True
     finished = attempt_of(mark)
-    return finished is not None and finished >= retries
+    return not resumed and finished is not None and finished >= retries
 
 
-def mark_finished(backend: Backend, key: str, task_id: str, retries: int, ttl: float) -> None:
-    """Record that attempt ``retries`` of ``task_id`` on ``key`` ended; keep the highest."""
+def mark_finished(
+    backend: Backend,
+    key: str,
+    task_id: str,
+    retries: int,
+    ttl: float,
+    as_duplicate: bool = False,
+) -> None:
+    """Record that attempt ``retries`` of ``task_id`` on ``key`` ended (``as_duplicate``:
+    without its body); keep the latest attempt, and a run's end over a duplicate's."""
     name = finished_key(key, task_id)
+    new = -(retries + 1) if as_duplicate else retries
     for _ in range(ATTEMPTS):
         current = backend.read_mark(name, DONE)
-        if current is not None and int(current) > retries:
+        if current is not None and _finished_order(int(current)) > _finished_order(new):
             return
-        if backend.swap_mark(name, DONE, current, str(retries), ttl):
+        if backend.swap_mark(name, DONE, current, str(new), ttl):
             return
     raise _contended(backend, name, DONE)
+
+
+def _finished_order(value: int) -> tuple[int, bool]:
+    """Sort key of finished marks' values: the attempt, then a run's end after a
+    duplicate's."""
+    return (value, True) if value >= 0 else (-value - 1, False)
 
 
 def resume_arguments(backend: Backend, key: str, task_id: str) -> Optional[str]:

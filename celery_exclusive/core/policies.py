@@ -102,13 +102,15 @@ def claim(
     arguments: Optional[str] = None,
     redelivery: bool = False,
     retries: int = 0,
+    resumed: bool = False,
 ) -> Outcome:
     """Take ``key`` or decide what the duplicate gets under ``settings.on_duplicate``.
 
     ``arguments`` (JSON) is what a ``rerun`` duplicate hands to the pending rerun.
     With ``redelivery`` (a broker may deliver this call's message twice), a call whose
     own ``task_id`` holds the key is :class:`Redelivered`, and one whose attempt
-    ``retries`` already ended is :class:`Ended`, whatever the policy.
+    ``retries`` already ended is :class:`Ended` (see :func:`marks.ended`), whatever the
+    policy.
     Raises :class:`BackendUnavailable` if the store does not answer; what happens then
     (``on_backend_error``) is the integration's call, since only it can requeue.
     """
@@ -134,7 +136,7 @@ def claim(
             return run
         return replace(run, finished_read=True, finished=finished)
 
-    if redelivery and marks.ended(finished, retries):
+    if redelivery and marks.ended(finished, retries, resumed):
         return Ended(key)  # even where a later attempt (a retry) holds the key
     # Whom this call yields to: a holder, or else whoever is first in line for the key.
     infos = backend.holders_of(key)

@@ -254,6 +254,7 @@ class Attempt:
                 arguments=arguments,
                 redelivery=host.redelivery and bool(call.task_id),
                 retries=call.retries,
+                resumed=call.resumed,
             )
             if isinstance(outcome, policies.Run) and host.redelivery and call.task_id:
                 with outcome.lease.released_on_error():
@@ -379,7 +380,7 @@ class Attempt:
         else:
             mark = marks.finished_mark(lease.backend, lease.key, call.task_id or "")
         self._finished_mark, self._finished_read = mark, True
-        if not marks.ended(mark, call.retries):
+        if not marks.ended(mark, call.retries, call.resumed):
             return None
         lease.release()
         return outcomes.Dropped(lease.key)
@@ -474,13 +475,23 @@ class Attempt:
         message may come again, record that its attempt ended, as the end of a run does.
         A copy delivered later is then dropped: it neither runs once the key is free
         (a second settlement of what ``skip`` kept from running twice) nor joins the
-        pending rerun again (handing it older arguments than a later duplicate's)."""
+        pending rerun again (handing it older arguments than a later duplicate's).
+
+        Only for a message's first delivery (no requeues): a message the library sent
+        again (a copy set aside while its first delivery ran, a call resuming a stopped
+        run) may be a copy of an attempt that goes on elsewhere, whose next delivery
+        must not find it ended."""
         call = self.call
-        if not (self.host.redelivery and call.task_id):
+        if not (self.host.redelivery and call.task_id) or call.requeues:
             return
         try:
             marks.mark_finished(
-                call.backend, call.key, call.task_id, call.retries, self.host.finished_ttl
+                call.backend,
+                call.key,
+                call.task_id,
+                call.retries,
+                self.host.finished_ttl,
+                as_duplicate=True,
             )
         except ExclusiveError as exc:
             logger.warning(
@@ -520,7 +531,7 @@ class Attempt:
         """
         call, ttl = self.call, self.host.finished_ttl
         task_id = call.task_id or ""
-        if self._finished_read and not marks.ended(self._finished_mark, call.retries):
+        if self._finished_read and not marks.run_recorded(self._finished_mark, call.retries):
             mark = (marks.finished_key(lease.key, task_id), marks.DONE)
             expected, new = self._finished_mark, str(call.retries)
             if write is not None:

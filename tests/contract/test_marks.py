@@ -137,3 +137,44 @@ def test_an_enqueue_mark_names_the_task_already_queued_until_cleared(store):
     assert marks.clear_mark(store, "k", marks.QUEUED, "t2") is False
     assert marks.clear_mark(store, "k", marks.QUEUED, "t1") is True
     assert marks.claim_mark(store, "k", marks.QUEUED, "t2", 10) == "t2"
+
+
+# --- finished marks: which attempt of a task id ended, and whether its body ran --------
+
+
+def test_a_duplicates_end_ends_its_attempt_for_a_copy_but_not_for_a_resumed_call(store):
+    marks.mark_finished(store, "k", "t", 0, 10, as_duplicate=True)
+    mark = marks.finished_mark(store, "k", "t")
+    assert marks.attempt_of(mark) == 0
+    assert marks.ended(mark, 0) and not marks.ended(mark, 0, resumed=True)
+    assert not marks.ended(mark, 1)  # a later retry is no copy of it
+
+
+def test_a_runs_end_ends_its_attempt_for_a_resumed_call_too(store):
+    marks.mark_finished(store, "k", "t", 0, 10)
+    assert marks.ended(marks.finished_mark(store, "k", "t"), 0, resumed=True)
+
+
+def test_a_runs_end_replaces_a_duplicates_end_of_the_same_attempt(store):
+    marks.mark_finished(store, "k", "t", 0, 10, as_duplicate=True)
+    marks.mark_finished(store, "k", "t", 0, 10)
+    assert marks.run_recorded(marks.finished_mark(store, "k", "t"), 0)
+
+
+def test_a_duplicates_end_never_replaces_a_runs_end(store):
+    marks.mark_finished(store, "k", "t", 0, 10)
+    marks.mark_finished(store, "k", "t", 0, 10, as_duplicate=True)
+    assert marks.run_recorded(marks.finished_mark(store, "k", "t"), 0)
+
+
+def test_the_end_of_a_later_attempt_is_kept_over_an_earlier_ones(store):
+    marks.mark_finished(store, "k", "t", 2, 10, as_duplicate=True)
+    marks.mark_finished(store, "k", "t", 1, 10)
+    assert marks.attempt_of(marks.finished_mark(store, "k", "t")) == 2
+
+
+def test_a_duplicates_end_reads_as_no_end_to_an_earlier_version(store):
+    # Earlier versions read the mark as a whole number of retries and compare it with
+    # their own: below zero, their copies act as they did before.
+    marks.mark_finished(store, "k", "t", 0, 10, as_duplicate=True)
+    assert int(marks.finished_mark(store, "k", "t")) < 0

@@ -190,6 +190,28 @@ def test_a_duplicate_that_gave_up_delivered_again_is_dropped(memory_url):
     assert attempt.run(call, ACKS_LATE, pytest.fail) == outcomes.Dropped(call.key)
 
 
+def test_a_copy_set_aside_and_skipped_later_leaves_the_attempt_it_copies_to_run(memory_url):
+    # The copy of a running call, set aside, comes back once that call lost its lease to
+    # another holder; the stopped call is sent again (resumed) and must still run.
+    standby = a_call(memory_url, on_duplicate="skip", requeues=1)
+    with holding(standby):
+        assert isinstance(attempt.run(standby, ACKS_LATE, pytest.fail), outcomes.Skipped)
+    resumed = dataclasses.replace(standby, resumed=True)
+    assert attempt.run(resumed, ACKS_LATE, lambda args, kwargs: "ran") == outcomes.Ran("ran")
+
+
+def test_a_resumed_call_runs_after_a_copy_of_its_message_was_skipped(memory_url):
+    # The broker delivered the message again while its run was being stopped for a lost
+    # lease, and another call held the key: that copy was skipped. The library's own
+    # resend of the stopped run must still run, and its end drops later copies.
+    call = a_call(memory_url, on_duplicate="skip")
+    with holding(call):
+        assert isinstance(attempt.run(call, ACKS_LATE, pytest.fail), outcomes.Skipped)
+    resumed = dataclasses.replace(call, requeues=1, resumed=True)
+    assert attempt.run(resumed, ACKS_LATE, lambda args, kwargs: "ran") == outcomes.Ran("ran")
+    assert attempt.run(resumed, ACKS_LATE, pytest.fail) == outcomes.Dropped(call.key)
+
+
 def test_a_duplicate_whose_message_cannot_come_again_records_no_end(memory_url):
     call = a_call(memory_url, on_duplicate="skip")
     with holding(call):
