@@ -260,7 +260,8 @@ class Attempt:
                 with outcome.lease.released_on_error():
                     dropped = self._drop_if_finished(outcome)
                 if dropped is not None:
-                    self._drop_resume()
+                    # The arguments kept for the task id, if any, are a later attempt's
+                    # (a retry's, running now): this copy's attempt dropped its own.
                     return dropped
             if isinstance(outcome, policies.Run) and rerun and host.resumable:
                 outcome = self._keep_resume(outcome)
@@ -270,8 +271,7 @@ class Attempt:
         if isinstance(outcome, policies.Redelivered):
             return outcomes.SetAside(call.key, outcome.countdown, call.requeues + 1)
         if isinstance(outcome, policies.Ended):
-            self._drop_resume()
-            return outcomes.Dropped(call.key)
+            return outcomes.Dropped(call.key)  # and leaves a later attempt's arguments
         if isinstance(outcome, (outcomes.Skipped, outcomes.Coalesced)):
             self._drop_resume()  # the call ends here: what it resumed runs elsewhere
             self._record_end_without_body()

@@ -152,6 +152,22 @@ def test_a_copy_of_an_attempt_that_ended_is_dropped_while_its_retry_holds_the_ke
     assert outcome.result == outcomes.Dropped(call.key)
 
 
+def test_a_copy_of_an_attempt_that_ended_leaves_the_arguments_its_retry_runs_with(memory_url):
+    call = a_call(memory_url, on_duplicate="rerun")
+    attempt.run(call, ACKS_LATE, lambda args, kwargs: "first")
+    newest = policies.encode_call(call.name, (3,), {})
+    retry = dataclasses.replace(call, retries=1)  # the pending rerun now, with (3,)
+    marks.join_rerun(call.backend, call.key, "task-1", newest, ttl=30)
+    kept = []
+
+    def body(args, kwargs):
+        kept.append(attempt.run(call, ACKS_LATE, pytest.fail))  # attempt 0, once more
+        kept.append(marks.resume_arguments(call.backend, call.key, "task-1"))
+
+    attempt.run(retry, ACKS_LATE, body)
+    assert kept == [outcomes.Dropped(call.key), newest]
+
+
 def test_a_retry_of_an_attempt_that_ended_finding_its_key_held_is_a_duplicate(memory_url):
     call = a_call(memory_url, on_duplicate="skip")
     attempt.run(call, ACKS_LATE, lambda args, kwargs: "first")
