@@ -27,9 +27,9 @@ read-then-swap loop on it, so a store needs nothing more to support them.
 - A **resume mark** (kind ``resume``, one per task id and key, beside its finished mark)
   keeps the arguments a call whose message may come again (Celery's ``acks_late``, or
   ``retry_on_worker_lost``) runs with as the pending rerun of its key, until its
-  attempt ends. The message comes back with the
-  arguments it was sent with; the run it resumes had the newest duplicate's, which the
-  pending rerun's mark gave up when the run took them.
+  attempt ends. The message comes back with the arguments it was sent with; the run it
+  resumes had the newest duplicate's, which the pending rerun's mark gave up when the
+  run took them.
 """
 
 from __future__ import annotations
@@ -292,10 +292,7 @@ def finished_mark(backend: Backend, key: str, task_id: str) -> Optional[str]:
 
 def attempt_of(mark: Optional[str]) -> Optional[int]:
     """The ``retries`` count a finished mark holds, or None for no mark."""
-    if mark is None:
-        return None
-    value = int(mark)
-    return value if value >= 0 else -value - 1
+    return None if mark is None else _finished_order(int(mark))[0]
 
 
 def run_recorded(mark: Optional[str], retries: int) -> bool:

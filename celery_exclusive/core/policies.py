@@ -37,8 +37,8 @@ class Run:
     #: A pending rerun's arguments (JSON) to run with instead of the call's own.
     arguments: Optional[str] = None
     #: With ``redelivery``, whether the call's finished mark (see
-    #: :func:`marks.finished_attempt`) was read with the grant, and its value then
-    #: (None: absent). A grant won after waiting comes without it.
+    #: :func:`marks.finished_attempt`) was read with the grant (in its round trip where
+    #: the store could, else right after it), and its value then (None: absent).
     finished_read: bool = False
     finished: Optional[str] = None
 
@@ -80,10 +80,11 @@ class Redelivered:
 
 @dataclass(frozen=True)
 class Ended:
-    """A copy of a call whose attempt already ran to the end (its finished mark, read
-    as it tried the key, says so) found the key held: the broker delivered its message
-    again after the run (an acknowledgement lost with its worker or its connection). It
-    is no duplicate: it must not join a pending rerun, wait, run, nor leave a result."""
+    """A copy of a call whose attempt already ended (its finished mark, read as it
+    tried the key, says so: see :func:`marks.ended`): the broker delivered its message
+    again after the end (an acknowledgement lost with its worker or its connection). It
+    is no duplicate: it must not join a pending rerun, wait, run, nor leave a result.
+    A grant it took has gone back."""
 
     key: str
 
@@ -132,9 +133,9 @@ def claim(
                 lease.release()
                 return Redelivered(key, requeue_delay(settings, requeues))
         run = _run(settings, backend, key, task_id, lease)
-        if not finished_read:
-            return run
-        return replace(run, finished_read=True, finished=finished)
+        if finished_read:
+            run = replace(run, finished_read=True, finished=finished)
+        return _unless_ended(backend, run, task_id, retries, resumed, redelivery)
 
     if redelivery and marks.ended(finished, retries, resumed):
         return Ended(key)  # even where a later attempt (a retry) holds the key
@@ -153,7 +154,7 @@ def claim(
         away = countdown + settings.lease_ttl
         lease = wait_for(settings, backend, key, name, task_id, priority=True, keep_place=away)
         if lease is not None:
-            return Run(lease)
+            return _unless_ended(backend, Run(lease), task_id, retries, resumed, redelivery)
         return Requeue(key, countdown, holder, described)
 
     policy = settings.on_duplicate
@@ -176,7 +177,8 @@ def claim(
     if policy in ("wait", "rerun"):
         lease = wait_for(settings, backend, key, name, task_id)
         if lease is not None:
-            return _run(settings, backend, key, task_id, lease)
+            run = _run(settings, backend, key, task_id, lease)
+            return _unless_ended(backend, run, task_id, retries, resumed, redelivery)
         # Waited long enough: fall back to requeue, never drop. The requeued message
         # joins the back of the line when it comes back.
     if policy == "skip":
@@ -313,6 +315,30 @@ def _run(
         with lease.released_on_error():
             return Run(lease, marks.take_rerun(backend, key, task_id))
     return Run(lease)
+
+
+def _unless_ended(
+    backend: Backend,
+    run: Run,
+    task_id: Optional[str],
+    retries: int,
+    resumed: bool,
+    redelivery: bool,
+) -> Union[Run, Ended]:
+    """With ``redelivery``: a grant taken by a copy of a call whose attempt already
+    ended goes back, and the copy is :class:`Ended`. Otherwise ``run`` goes on,
+    carrying the call's finished mark as read with the grant (read now if it was won
+    after waiting): what the end of its attempt swaps the mark from."""
+    if not (redelivery and task_id):
+        return run
+    lease, finished = run.lease, run.finished
+    if not run.finished_read:
+        with lease.released_on_error():
+            finished = marks.finished_mark(backend, lease.key, task_id)
+    if marks.ended(finished, retries, resumed):
+        lease.release()
+        return Ended(lease.key)
+    return replace(run, finished_read=True, finished=finished)
 
 
 def _pending_ttl(settings: Settings) -> float:

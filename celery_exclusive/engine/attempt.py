@@ -256,13 +256,9 @@ class Attempt:
                 retries=call.retries,
                 resumed=call.resumed,
             )
-            if isinstance(outcome, policies.Run) and host.redelivery and call.task_id:
-                with outcome.lease.released_on_error():
-                    dropped = self._drop_if_finished(outcome)
-                if dropped is not None:
-                    # The arguments kept for the task id, if any, are a later attempt's
-                    # (a retry's, running now): this copy's attempt dropped its own.
-                    return dropped
+            if isinstance(outcome, policies.Run) and outcome.finished_read:
+                # What the end of the attempt swaps the finished mark from.
+                self._finished_mark, self._finished_read = outcome.finished, True
             if isinstance(outcome, policies.Run) and rerun and host.resumable:
                 outcome = self._keep_resume(outcome)
         except BackendUnavailable as exc:
@@ -271,7 +267,9 @@ class Attempt:
         if isinstance(outcome, policies.Redelivered):
             return outcomes.SetAside(call.key, outcome.countdown, call.requeues + 1)
         if isinstance(outcome, policies.Ended):
-            return outcomes.Dropped(call.key)  # and leaves a later attempt's arguments
+            # The arguments kept for the task id, if any, are a later attempt's (a
+            # retry's, running now): the copy's own attempt dropped its own.
+            return outcomes.Dropped(call.key)
         if isinstance(outcome, (outcomes.Skipped, outcomes.Coalesced)):
             self._drop_resume()  # the call ends here: what it resumed runs elsewhere
             self._record_end_without_body()
@@ -367,23 +365,6 @@ class Attempt:
                     exc,
                 )
         return dataclasses.replace(outcome, arguments=arguments)
-
-    def _drop_if_finished(self, outcome: policies.Run) -> Optional[outcomes.Dropped]:
-        """A copy of an attempt that has ended took the key: give it back, end quietly.
-
-        The finished mark read here (with the grant, where the store could) is kept:
-        at the end of the attempt it is what the mark is swapped from.
-        """
-        lease, call = outcome.lease, self.call
-        if outcome.finished_read:
-            mark = outcome.finished
-        else:
-            mark = marks.finished_mark(lease.backend, lease.key, call.task_id or "")
-        self._finished_mark, self._finished_read = mark, True
-        if not marks.ended(mark, call.retries, call.resumed):
-            return None
-        lease.release()
-        return outcomes.Dropped(lease.key)
 
     # --- the body --------------------------------------------------------------------------
 
