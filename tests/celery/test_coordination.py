@@ -263,10 +263,11 @@ def test_a_coalesced_duplicate_delivered_again_leaves_the_pending_rerun_the_newe
     with ExclusiveLock("exclusive:" + key, cluster.store, cluster.ttl, name="test holder"):
         pending = task.delay(key, 1)
         assert wait_until(lambda: marks.pending_rerun(store, "exclusive:" + key) == pending.id, 15)
-        coalesced = [task.delay(key, version) for version in (2, 3)]
-        for call in coalesced:
+        coalesced = []
+        for version in (2, 3):  # one after the other: the latest change is 3
+            coalesced.append(task.delay(key, version))
             with pytest.raises(DuplicateCoalesced):
-                call.get(timeout=30)
+                coalesced[-1].get(timeout=30)
         task.apply_async((key, 2), task_id=coalesced[0].id)  # its message, once more
         assert wait_until(lambda: dropped_by_a_worker(cluster, coalesced[0].id), timeout=15)
     assert pending.get(timeout=30)["version"] == 3, "the copy handed the rerun its old change"

@@ -116,8 +116,10 @@ def test_a_waiting_call_takes_the_key_soon_after_the_foreign_release(recipe_url,
     released_at = []
 
     def release() -> None:
-        theirs.release()
+        # Noted as the release is sent: the waiter may take the key before this thread
+        # runs again after it.
         released_at.append(time.monotonic())
+        theirs.release()
 
     threading.Timer(0.5, release).start()
     with ExclusiveLock(KEY, recipe_url, wait=10):
