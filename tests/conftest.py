@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import itertools
 import uuid
+import weakref
 
 import pytest
 
@@ -197,3 +198,58 @@ def backend(backend_case):
     store = _load(backend_case.url)
     yield store
     store.close()
+
+
+def _receivers(signal) -> list:
+    """The functions connected to ``signal`` (weak references resolved; dead ones
+    left out)."""
+    found = []
+    for _lookup, receiver in signal.receivers:
+        if isinstance(receiver, weakref.ReferenceType):
+            receiver = receiver()
+        if receiver is not None:
+            found.append(receiver)
+    return found
+
+
+def _watched_signals() -> dict:
+    from celery import signals as celery_signals
+
+    from celery_exclusive import signals as exclusive_signals
+
+    watched = {
+        f"celery_exclusive.{name}": getattr(exclusive_signals, name)
+        for name in ("lease_acquired", "lease_released", "lease_lost", "duplicate_detected")
+    }
+    for name in (
+        "task_prerun",
+        "task_postrun",
+        "task_success",
+        "task_failure",
+        "before_task_publish",
+        "after_task_publish",
+    ):
+        watched[f"celery.{name}"] = getattr(celery_signals, name)
+    return watched
+
+
+@pytest.fixture(autouse=True)
+def no_signal_handler_left_behind():
+    """A test (or a module of test support it imports into this process) leaves no
+    receiver connected to the library's or Celery's task signals: one left behind runs
+    in every later test of the process, and its failure or its side effect is taken for
+    theirs. A worker's app connects its handlers in the worker, never here."""
+    watched = _watched_signals()
+    before = {name: _receivers(signal) for name, signal in watched.items()}
+    yield
+    for name, signal in watched.items():
+        left = [r for r in _receivers(signal) if not any(r is b for b in before[name])]
+        left += [r for r in before[name] if getattr(r, "__module__", "").startswith("tests.")]
+        assert not left, (
+            f"{name} has receivers left connected by test code: "
+            + ", ".join(
+                f"{getattr(r, '__module__', '?')}.{getattr(r, '__qualname__', r)}" for r in left
+            )
+            + "; disconnect them when the test ends, and connect a worker app's handlers "
+            "only in its worker"
+        )

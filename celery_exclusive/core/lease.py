@@ -35,6 +35,11 @@ HOSTNAME = socket.gethostname()
 #: Called with the lease, in the thread that found the loss, once it is known.
 LossListener = Callable[["HeldLease"], None]
 
+#: Seconds a thread that finds a loss already being announced by another waits for
+#: that announcement (its log line, ``lease_lost``, the listeners) to be done: what the
+#: holder does next (raise LeaseLost, end its call) comes after the loss was signalled.
+ANNOUNCE_WAIT = 5.0
+
 
 class HeldLease:
     """A lease its holder is running under: ``self.lease`` inside a task.
@@ -64,6 +69,10 @@ class HeldLease:
         self.ended_at: Optional[float] = None
         self._listeners: list[LossListener] = []
         self._loss_lock = threading.Lock()
+        #: Set once the loss has been logged, signalled and told to the listeners; the
+        #: thread doing that is ``_announcer``.
+        self._announced = threading.Event()
+        self._announcer: Optional[int] = None
 
     @property
     def key(self) -> str:
@@ -105,8 +114,14 @@ class HeldLease:
 
     def expire(self) -> None:
         """Flag the lease lost if its deadline passed before its body ended (what the
-        deadline keeper calls). Asks the store nothing: the store may not be answering."""
-        if self.lost_reason is None and self.lost:
+        deadline keeper calls). Asks the store nothing: the store may not be answering.
+
+        A loss flagged already by another thread is waited for until it has been
+        announced, so that whatever the caller does about it next (raise LeaseLost, end
+        the call) comes after ``lease_lost`` was sent."""
+        if self.lost_reason is not None:
+            self._await_announcement()
+        elif self.lost:
             self.mark_lost(self._expiry_reason(), "expired")
 
     def _expiry_reason(self) -> str:
@@ -359,33 +374,49 @@ class HeldLease:
         """Flag the lease lost: log it at ERROR, send ``lease_lost``, tell the listeners.
 
         ``cause`` (a key of :data:`~celery_exclusive.errors.LOSS_ADVICE`) is read back
-        from the store when the caller cannot tell (:func:`.losses.cause_of`).
+        from the store when the caller cannot tell (:func:`.losses.cause_of`). The first
+        thread to flag the loss announces it; another that finds it flagged returns once
+        that announcement is done (see :data:`ANNOUNCE_WAIT`), never before.
         """
         if self.lost_reason is not None:
+            self._await_announcement()
             return
         cause = cause or losses.cause_of(self)
         with self._loss_lock:
-            if self.lost_reason is not None:
-                return
-            self.lost_reason, self.lost_cause = reason, cause
-            listeners, self._listeners = self._listeners, []
-        logger.error(
-            "lease lost key=%s task=%s task_id=%s fencing_token=%s cause=%s: %s",
-            self.key,
-            self.name,
-            self.task_id,
-            self.fencing_token,
-            cause,
-            reason,
-        )
-        signals.lease_lost.send(
-            sender=self.name, key=self.key, task_id=self.task_id, reason=reason, cause=cause
-        )
-        for listener in listeners:
-            try:
-                listener(self)
-            except Exception:  # one listener's bug must not keep the others from acting
-                logger.exception("lease-lost listener failed key=%s", self.key)
+            flagged_elsewhere = self.lost_reason is not None
+            if not flagged_elsewhere:
+                self.lost_reason, self.lost_cause = reason, cause
+                self._announcer = threading.get_ident()
+                listeners, self._listeners = self._listeners, []
+        if flagged_elsewhere:
+            self._await_announcement()
+            return
+        try:
+            logger.error(
+                "lease lost key=%s task=%s task_id=%s fencing_token=%s cause=%s: %s",
+                self.key,
+                self.name,
+                self.task_id,
+                self.fencing_token,
+                cause,
+                reason,
+            )
+            signals.lease_lost.send(
+                sender=self.name, key=self.key, task_id=self.task_id, reason=reason, cause=cause
+            )
+            for listener in listeners:
+                try:
+                    listener(self)
+                except Exception:  # one listener's bug must not keep the others from acting
+                    logger.exception("lease-lost listener failed key=%s", self.key)
+        finally:
+            self._announced.set()
+
+    def _await_announcement(self) -> None:
+        """Wait until the thread announcing the loss is done (not in that thread itself:
+        a listener may look at the lease)."""
+        if self._announcer != threading.get_ident():
+            self._announced.wait(ANNOUNCE_WAIT)
 
     def __repr__(self) -> str:
         state = "lost" if self.lost else "released" if self.released else "held"

@@ -3,6 +3,7 @@ expired, another holder took it, an operator released it, or the store forgot it
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -94,3 +95,30 @@ def test_a_loss_found_at_release_is_diagnosed_too(store, causes):
 
 def test_every_cause_has_its_advice():
     assert set(LOSS_ADVICE) == {"expired", "taken", "released", "reset", "unknown"}
+
+
+def test_a_loss_another_thread_is_announcing_is_signalled_before_the_holder_raises(store):
+    """The heartbeat's thread and the holder's own may find one loss at once: the holder
+    raises LeaseLost only after ``lease_lost`` was sent, whichever thread sends it."""
+    lease = acquire(backend_for_url(store), KEY, 30, name="billing.settle", task_id="t-1")
+    heartbeat().discard(lease)
+    signalled = []
+    entered = threading.Event()
+
+    def slow_receiver(sender, cause, **kwargs):
+        entered.set()
+        time.sleep(0.5)  # a receiver that takes its time (a log shipper, a metric push)
+        signalled.append(cause)
+
+    lease_lost.connect(slow_receiver)
+    try:
+        other = threading.Thread(target=lease.mark_lost, args=("found by the heartbeat",))
+        other.start()
+        assert entered.wait(5)
+        with pytest.raises(LeaseLost):
+            lease.ensure_held()
+        assert signalled, "LeaseLost was raised before lease_lost was sent"
+        other.join()
+    finally:
+        lease_lost.disconnect(slow_receiver)
+        lease.release()

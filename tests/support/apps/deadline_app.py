@@ -89,12 +89,17 @@ def steps_then_clean_up(self, key: str, seconds: float) -> None:
         ledger().note("cleaned", self.request.id)
 
 
-@lease_lost.connect
 def _note_loss(sender=None, cause=None, task_id=None, **kwargs) -> None:
     ledger().note("lost", cause, task_id)
 
 
-@celery_signals.task_postrun.connect
 def _note_outcome(sender=None, task_id=None, state=None, retval=None, **kwargs) -> None:
     failure = type(retval).__name__ if isinstance(retval, BaseException) else "-"
     ledger().note("outcome", task_id, state, failure)
+
+
+# Only in a worker, which is given the ledger: a test that imports this module for its
+# constants must not find these handlers in its own process.
+if "EXCLUSIVE_TEST_LEDGER_FILE" in os.environ:
+    lease_lost.connect(_note_loss, weak=False)
+    celery_signals.task_postrun.connect(_note_outcome, weak=False)
