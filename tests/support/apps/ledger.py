@@ -112,7 +112,6 @@ class ProbedResults(RedisResults):
         return super().store_result(task_id, result, state, traceback, request, **kwargs)
 
 
-@celery_signals.before_task_publish.connect
 def _note_next_link(sender=None, body=None, headers=None, **extra) -> None:
     """In a worker, a ledger task that sends another (a chain's next link, a callback)
     notes whether the sender still holds the key they share."""
@@ -304,13 +303,18 @@ def _record_signal(signal, sender, key, task_id, **extra):
     ledger().rpush("signals", json.dumps(entry))
 
 
-for _signal in (
-    signals.lease_acquired,
-    signals.lease_released,
-    signals.lease_lost,
-    signals.duplicate_detected,
-):
-    _signal.connect(_record_signal, weak=False)
+@celery_signals.worker_init.connect(weak=False)
+def _record_in_the_worker(**kwargs) -> None:
+    """The ledger's signal handlers, connected in a worker only (its pool's processes
+    inherit them): a test that imports this app to send its tasks keeps none."""
+    for signal in (
+        signals.lease_acquired,
+        signals.lease_released,
+        signals.lease_lost,
+        signals.duplicate_detected,
+    ):
+        signal.connect(_record_signal, weak=False)
+    celery_signals.before_task_publish.connect(_note_next_link, weak=False)
 
 
 @app.task(
