@@ -22,14 +22,32 @@ from typing import Optional
 from urllib.parse import urlsplit
 
 from ..errors import ConfigurationError
-from .base import Backend, Capabilities, FinalWrite, Lease, LeaseInfo, check_capabilities
+from .base import (
+    NO_END,
+    Backend,
+    Capabilities,
+    Connection,
+    End,
+    FinalWrite,
+    Lease,
+    LeaseInfo,
+    MarkRead,
+    MarkSwap,
+    check_capabilities,
+    recipe_of,
+)
 
 __all__ = [
+    "NO_END",
     "Backend",
     "Capabilities",
+    "Connection",
+    "End",
     "FinalWrite",
     "Lease",
     "LeaseInfo",
+    "MarkRead",
+    "MarkSwap",
     "ENTRY_POINT_GROUP",
     "SCHEMES",
     "backend_for_url",
@@ -105,6 +123,25 @@ def _load(url: str) -> Backend:
             f"exclusive_backend_url uses {scheme}:// but its client is not installed "
             f"({exc}); install it with: pip install 'celery-exclusive[{extra}]'."
         ) from None
-    store_class = getattr(module, class_name)
+    store_class = _layout(getattr(module, class_name), url)
     check_capabilities(store_class)
     return store_class(url)
+
+
+def _layout(store_class: type, url: str) -> type:
+    """The layout that serves ``url``: the store's own, or the one its ``?recipe=``
+    names (:attr:`Backend.recipes`)."""
+    recipe = recipe_of(url)
+    if recipe is None:
+        return store_class
+    recipes = getattr(store_class, "recipes", {})
+    target = recipes.get(recipe)
+    if target is None:
+        known = ", ".join(sorted(recipes)) or "none"
+        raise ConfigurationError(
+            f"exclusive_backend_url names recipe={recipe!r}, which {store_class.__name__} "
+            f"does not speak (its recipes: {known}); correct it, or remove ?recipe= to use "
+            "the library's own layout."
+        )
+    module_name, class_name = target.split(":")
+    return getattr(importlib.import_module(module_name), class_name)

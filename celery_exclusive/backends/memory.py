@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
-from .base import Backend, Capabilities, Lease, LeaseInfo
+from .base import NO_END, Backend, Capabilities, End, Lease, LeaseInfo, MarkRead
 from .limits import check_limit
 from .line import LINE, admit, first_in_line
 
@@ -108,6 +108,7 @@ class MemoryBackend(Backend):
         limit: int = 1,
         holder: Optional[Mapping[str, Any]] = None,
         claimant: Optional[str] = None,
+        read: Optional[MarkRead] = None,  # read by the caller, after the grant
     ) -> Optional[Lease]:
         store = self._store
         with store.changed:
@@ -140,10 +141,19 @@ class MemoryBackend(Backend):
                     grant.expires_at = now + lease.ttl
         return lost
 
-    def release(self, lease: Lease) -> bool:
+    def release(self, lease: Lease, end: End = NO_END) -> Optional[bool]:
+        if end.write is not None:
+            return super().release(lease, end)  # refused: no final writes here
         store = self._store
         with store.changed:
-            grants = store.live(lease.key, time.monotonic())
+            now = time.monotonic()
+            mark = end.mark
+            if mark is not None:
+                current = store.mark((mark.key, mark.kind), now)
+                if current not in (mark.expected, mark.new):
+                    return None
+                store.set_mark((mark.key, mark.kind), mark.new, now + mark.ttl)
+            grants = store.live(lease.key, now)
             if grants.pop(lease.owner, None) is None:
                 return False
             if not grants:

@@ -115,7 +115,7 @@ def _database_for(backend: Any, store: Backend) -> Optional[int]:
         address = dict(backend.connparams)
         address["ssl"] = issubclass(address.get("connection_class", object), SSLConnection)
         try:
-            database = store.database_for(address)
+            database = store.connection.database_for(address)
         except ExclusiveError:
             return None
     backend.__dict__[_VERDICT] = (store, database)

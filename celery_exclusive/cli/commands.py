@@ -268,7 +268,7 @@ def migrate(target: Target) -> None:
     """Create what the store needs before workers use it (PostgreSQL's tables), as the
     URL's user: run once by an owner where the workers' role may not create tables."""
     backend = target.backend
-    done = backend.migrate()
+    done = backend.connection.migrate()
     click.echo(f"{backend.safe_url}: {done or 'this store needs nothing created'}")
 
 

@@ -3,8 +3,9 @@
 An operator asking "why didn't my task run?" wants to see the duplicates that were
 skipped, requeued or coalesced, and the leases that were lost, as they happen, on
 whichever host they happen. Each worker process notes such events here and a thread
-of its own sends them to the store in batches (``Backend.append_events``), into a
-feed per key prefix that the web view reads (``Backend.read_events``).
+of its own sends them to the store in batches (:func:`append_events`), into a
+feed per key prefix that the web view reads (:func:`read_events`): a log of the store's
+own where it has one (``Capabilities.event_log``, a Redis stream), else one mark.
 
 Nothing of it is on the path of a call that gets its key: that call pays one
 dictionary lookup. A duplicate or a loss pays a JSON encoding and a list append; the
@@ -25,9 +26,10 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from ..errors import ExclusiveError
+from ..errors import BackendUnavailable, ExclusiveError
 from .per_process import PerProcess
 
 if TYPE_CHECKING:
@@ -111,7 +113,7 @@ class Feed:
             if dropped:
                 events.insert(0, _missed_event(dropped, self.pid))
             try:
-                backend.append_events(feed, events, CAPACITY, TTL)
+                append_events(backend, feed, events, CAPACITY, TTL)
             except ExclusiveError as exc:
                 sent = False
                 logger.debug("feed: %d event(s) not sent yet: %s", len(events), exc)
@@ -216,3 +218,51 @@ def _lost(prefix: str, lease: HeldLease) -> None:
         fencing_token=lease.fencing_token,
         reason=lease.lost_reason,
     )
+
+
+#: The kind of the mark that keeps a feed of events where a store has no log.
+FEED = "feed"
+#: Compare-and-swap attempts to add to such a feed before the store counts as too busy.
+EVENT_ATTEMPTS = 20
+
+
+def append_events(
+    backend: Backend, feed: str, events: Sequence[str], capacity: int, ttl: float
+) -> None:
+    """Add ``events`` (short strings, oldest first) to the feed ``feed`` in one step,
+    keeping only its newest ``capacity`` events, all of them gone ``ttl`` seconds after
+    the last append. ``feed`` is a key of the library's own (the key prefix), so the
+    store keeps it where the key prefix's permissions reach.
+
+    In the store's own log where it has one; else as one mark, a JSON array, changed by
+    compare-and-swap."""
+    if backend.capabilities.event_log:
+        backend.connection.append_events(feed, events, capacity, ttl)
+        return
+    for _ in range(EVENT_ATTEMPTS):
+        current = backend.read_mark(feed, FEED)
+        kept = _events_of(current) + list(events)
+        new = json.dumps(kept[-capacity:]) if capacity > 0 else None
+        if backend.swap_mark(feed, FEED, current, new, ttl):
+            return
+    raise BackendUnavailable(
+        f"the feed of {feed!r} in {backend.safe_url} kept changing under {EVENT_ATTEMPTS} "
+        "attempts to add to it.",
+        backend.safe_url,
+    )
+
+
+def read_events(backend: Backend, feed: str) -> list[str]:
+    """The events of the feed ``feed`` (see :func:`append_events`), oldest first."""
+    if backend.capabilities.event_log:
+        return backend.connection.read_events(feed)
+    return _events_of(backend.read_mark(feed, FEED))
+
+
+def _events_of(value: Optional[str]) -> list[str]:
+    """The events a feed mark holds; an absent or unreadable one holds none."""
+    try:
+        events = json.loads(value) if value else []
+    except ValueError:
+        return []
+    return [event for event in events if isinstance(event, str)] if isinstance(events, list) else []

@@ -10,6 +10,7 @@ because the store was down and ``on_backend_error="run"`` sees an
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -19,14 +20,14 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Callable, Optional
 
 from .. import signals
-from ..backends import Backend, FinalWrite, Lease
-from ..backends.base import MarkSwap
+from ..backends import NO_END, Backend, End, Lease, MarkRead
+from ..backends.base import require
 from ..errors import LOSS_ADVICE, BackendUnavailable, ExclusiveError, LeaseLost
 from . import losses
 from .deadline import keeper, safety_margin
 from .heartbeat import heartbeat
 
-__all__ = ["HeldLease", "UnlockedLease", "acquire", "acquire_and_read_mark", "heartbeat"]
+__all__ = ["HeldLease", "UnlockedLease", "acquire", "heartbeat"]
 
 logger = logging.getLogger("celery_exclusive")
 
@@ -67,6 +68,8 @@ class HeldLease:
         #: When its holder ended the body and began giving the lease back (monotonic);
         #: None while the body runs. A loss after this is no loss of the body's.
         self.ended_at: Optional[float] = None
+        #: Whether the release made its end's write (the body's result, stored with it).
+        self.written = False
         self._listeners: list[LossListener] = []
         self._loss_lock = threading.Lock()
         #: Set once the loss has been logged, signalled and told to the listeners; the
@@ -162,37 +165,81 @@ class HeldLease:
             cause,
         )
 
-    def release(self, unsure: bool = False) -> bool:
-        """Give the lease back. Safe to call twice; a store error is logged, not raised.
+    def release(self, end: End = NO_END, unsure: bool = False) -> Optional[bool]:
+        """Give the lease back, ending its attempt as ``end`` says (:class:`End`: the
+        finished mark swapped first, the result written only if the lease was still
+        held, in one step where the store can). Safe to call twice.
 
-        A lease that cannot be released because the store is down simply expires
-        after its ttl; failing the finished task for that would be worse. ``unsure``:
-        an earlier release whose answer was lost may have freed it already, so a lease
-        the store no longer has is not taken for a loss.
+        Returns True if the store freed it, False if it no longer had it or did not
+        answer, None if the end's mark held something else (nothing changed: the lease
+        is still held, and renewed). :attr:`written` says whether the end's write was
+        made; it is not, and the lease goes back as it would without it, when the body
+        ended past its deadline (what it returned is not to be trusted) or the store
+        refuses the write.
+
+        A store that does not answer is logged, not raised: the lease expires by itself
+        after its ttl, and failing the finished call for that would be worse. With a
+        mark it is raised, for the caller to say the mark may be missing, once the lease
+        was given back the plain way. ``unsure``: an earlier release whose answer was
+        lost may have freed it already, so a lease the store no longer has is not taken
+        for a loss.
         """
         if self.released:
             return False
         self._stop_renewing()
         try:
-            return self._send_release(unsure)
+            if end.write is not None and self.lost:
+                end = dataclasses.replace(end, write=None)
+            try:
+                freed = self.backend.release(self.grant, end)
+            except BackendUnavailable as exc:
+                if end == NO_END:
+                    self._release_failed(exc)
+                    return False
+                # The step may have run, its answer lost: free the lease the plain way;
+                # finding nothing to free then is no loss.
+                self._send_plain_release(unsure=True)
+                if end.mark is not None:
+                    raise
+                self._release_failed(exc, "the write left to its owner")
+                return False
+            except ExclusiveError as exc:
+                if end.write is None:
+                    self._release_failed(exc)
+                    return False
+                # Refused, not unanswered (a store that cannot make the write after
+                # all): nothing ran. The lease goes back as it would without a write.
+                self._keep_renewing()
+                return self.release(dataclasses.replace(end, write=None), unsure)
+            if freed is None:
+                self._keep_renewing()
+                return None
+            self.written = bool(freed) and end.write is not None
+            self._given_back(freed, unsure)
+            return freed
         finally:
-            keeper().forget(self)
+            if self.released:
+                keeper().forget(self)
 
-    def _send_release(self, unsure: bool) -> bool:
-        """Ask the store to free the lease, which no longer renews it."""
+    def _send_plain_release(self, unsure: bool) -> bool:
+        """Ask the store to free the lease, which no longer renews it, ending nothing."""
         try:
             freed = self.backend.release(self.grant)
         except ExclusiveError as exc:
-            logger.warning(
-                "lease release failed key=%s task_id=%s: %s; it expires by itself within %.1fs",
-                self.key,
-                self.task_id,
-                exc,
-                self.ttl,
-            )
+            self._release_failed(exc)
             return False
         self._given_back(freed, unsure)
         return freed
+
+    def _release_failed(self, exc: ExclusiveError, then: str = "") -> None:
+        logger.warning(
+            "lease release failed key=%s task_id=%s: %s; it expires by itself within %.1fs%s",
+            self.key,
+            self.task_id,
+            exc,
+            self.ttl,
+            f"; {then}" if then else "",
+        )
 
     @contextlib.contextmanager
     def released_on_error(self) -> Iterator[None]:
@@ -204,101 +251,6 @@ class HeldLease:
         except BaseException:
             self.release()
             raise
-
-    def release_after_mark(
-        self, mark: tuple[str, str], expected: Optional[str], new: str, ttl: float
-    ) -> Optional[bool]:
-        """Set a mark, then give the lease back, in one step where the store can (see
-        :meth:`Backend.swap_mark_and_release`): what a release returns, or None when the
-        mark held something else than ``expected`` and the lease is still held.
-
-        A store error is raised, for the caller to say the mark may be missing, once
-        the lease was given back the plain way (whose "not held" may then be the
-        failed step's own doing, so it is not taken for a loss).
-        """
-        if self.released:
-            return False
-        self._stop_renewing()
-        try:
-            try:
-                freed = self.backend.swap_mark_and_release(self.grant, mark, expected, new, ttl)
-            except ExclusiveError:
-                self._send_release(unsure=True)
-                raise
-            if freed is None:
-                self._keep_renewing()
-                return None
-            self._given_back(freed)
-            return freed
-        finally:
-            if self.released:
-                keeper().forget(self)
-
-    def release_and_write(
-        self,
-        write: FinalWrite,
-        mark: Optional[MarkSwap] = None,
-    ) -> Optional[bool]:
-        """Give the lease back and, only if the store still had it, make ``write`` (a
-        result stored with the release; see :meth:`Backend.release_and_write`), after
-        setting ``mark`` as :meth:`release_after_mark` does. Returns whether the write
-        was made, for the caller to make it its own way if not; None when the mark
-        held something else (nothing changed: the lease is still held).
-
-        A lease lost before its body ended writes nothing, and neither does a store that
-        refuses the step: the lease is given back as it would be without a write. A
-        store that does not answer gets a plain release, the step's own having maybe
-        freed the lease already; its error is raised when there was a mark (as
-        :meth:`release_after_mark` raises it), else logged.
-        """
-        if self.released:
-            return False
-        self._stop_renewing()
-        if self.lost:
-            # Its body ended past its deadline: what it returned is not to be trusted,
-            # and is not written. The lease goes back as it would without a write.
-            return self._release_without_write(mark)
-        try:
-            try:
-                answer = self.backend.release_and_write(self.grant, write, mark)
-            except BackendUnavailable as exc:
-                # Unanswered: the script may have run, and freed the lease, its answer
-                # lost. A release finding nothing to free then is no loss.
-                self._send_release(unsure=True)
-                if mark is not None:
-                    raise
-                logger.warning(
-                    "lease release with a write failed key=%s task_id=%s: %s; given back "
-                    "the plain way, the write left to its owner",
-                    self.key,
-                    self.task_id,
-                    exc,
-                )
-                return False
-            except ExclusiveError:
-                # Refused (a store that cannot make the write after all): nothing ran.
-                # The lease goes back as it would without a write, and a lease the store
-                # no longer has is the loss it is.
-                return self._release_without_write(mark)
-            if answer is None:
-                self._keep_renewing()
-                return None
-            freed, written = answer
-            self._given_back(freed)
-            return written
-        finally:
-            if self.released:
-                keeper().forget(self)
-
-    def _release_without_write(self, mark: Optional[MarkSwap]) -> Optional[bool]:
-        """Give the lease back, after :meth:`_stop_renewing`, as :meth:`release` or
-        :meth:`release_after_mark` does; the write is not made (False), or None when the
-        mark held something else."""
-        self._keep_renewing()
-        if mark is None:
-            self.release()
-            return False
-        return None if self.release_after_mark(*mark) is None else False
 
     def _stop_renewing(self) -> None:
         """Before a release is sent: the body has ended, and no renewal may race the
@@ -450,7 +402,8 @@ class UnlockedLease:
     def ensure_held(self) -> None:
         """Nothing to check: the call runs unlocked by the ``run`` setting's choice."""
 
-    def release(self) -> bool:
+    def release(self, end: End = NO_END, unsure: bool = False) -> bool:
+        """Nothing to give back: nothing was taken."""
         return False
 
     def __repr__(self) -> str:
@@ -466,40 +419,30 @@ def acquire(
     task_id: Optional[str] = None,
     holder: Optional[Mapping[str, Any]] = None,
     claimant: Optional[str] = None,
+    read: Optional[MarkRead] = None,
 ) -> Optional[HeldLease]:
     """Try once to take ``key``; on success the lease is renewed until released.
 
     ``claimant`` is what the key's line of waiters knows the caller by (see
-    :mod:`celery_exclusive.core.marks`): the line admits only its first. Raises
+    :mod:`celery_exclusive.core.marks`): the line admits only its first. ``read`` (a
+    :class:`MarkRead`) is read right after the attempt, granted or not, in the same
+    round trip where the store can; if reading it fails, a grant goes back. Raises
     :class:`BackendUnavailable` when the store does not answer.
     """
+    if limit > 1:
+        require(backend, "limits", key)
     record = _record(name, task_id, ttl, limit, holder)
     sent_at = time.monotonic()
-    grant = backend.try_acquire(key, new_owner(), ttl, limit, record, claimant=claimant)
+    grant = backend.try_acquire(key, new_owner(), ttl, limit, record, claimant, read)
+    if read is not None and not read.done:
+        try:
+            read.value, read.done = backend.read_mark(read.key, read.kind), True
+        except ExclusiveError:
+            if grant is not None:
+                with contextlib.suppress(ExclusiveError):  # else it expires by itself
+                    backend.release(grant)
+            raise
     return None if grant is None else _hold(backend, grant, name, task_id, sent_at)
-
-
-def acquire_and_read_mark(
-    backend: Backend,
-    key: str,
-    ttl: float,
-    limit: int,
-    name: str,
-    task_id: Optional[str],
-    claimant: Optional[str],
-    mark: tuple[str, str],
-) -> tuple[Optional[HeldLease], Optional[str]]:
-    """:func:`acquire`, reading the mark ``mark`` (``(key, kind)``) right after the
-    attempt, in the same round trip where the store can: ``(None, value)`` if not
-    granted."""
-    record = _record(name, task_id, ttl, limit, None)
-    sent_at = time.monotonic()
-    grant, value = backend.try_acquire_and_read_mark(
-        key, new_owner(), ttl, limit, record, claimant, mark
-    )
-    if grant is None:
-        return None, value
-    return _hold(backend, grant, name, task_id, sent_at), value
 
 
 def _record(
@@ -510,7 +453,7 @@ def _record(
     holder: Optional[Mapping[str, Any]],
 ) -> dict[str, Any]:
     """What the store keeps beside a grant, for ``holders()`` (with the ttl, the time
-    since the last renewal: ``Backend.renewed_ago``; with the limit, a semaphore's
+    since the last renewal: ``LeaseInfo.renewed_ago``; with the limit, a semaphore's
     slots)."""
     return {
         "task": name,

@@ -19,12 +19,12 @@ from typing import Optional, Union
 from kombu.utils.json import dumps, loads
 
 from .. import signals
-from ..backends import Backend
+from ..backends import Backend, MarkRead
 from ..errors import ExclusiveError
 from . import feed, marks
 from .config import Settings
 from .holders import first_described as described_holder
-from .lease import HeldLease, acquire, acquire_and_read_mark
+from .lease import HeldLease, acquire
 
 #: Seconds a waiter sleeps when the store woke it at once but refused the grant; it
 #: doubles while that goes on.
@@ -118,11 +118,18 @@ def claim(
     finished_read, finished = False, None
     if redelivery and task_id:
         # Whether this attempt already ran to the end, read as the key is tried.
-        mark = (marks.finished_key(key, task_id), marks.DONE)
-        lease, finished = acquire_and_read_mark(
-            backend, key, settings.lease_ttl, settings.limit, name, task_id, task_id, mark
+        read = MarkRead(marks.finished_key(key, task_id), marks.DONE)
+        lease = acquire(
+            backend,
+            key,
+            settings.lease_ttl,
+            settings.limit,
+            name,
+            task_id,
+            claimant=task_id,
+            read=read,
         )
-        finished_read = lease is not None
+        finished, finished_read = read.value, lease is not None
     else:
         lease = _try(settings, backend, key, name, task_id, task_id)
     if lease is not None:

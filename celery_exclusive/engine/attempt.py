@@ -24,7 +24,7 @@ import logging
 from contextvars import ContextVar, Token
 from typing import Any, Callable, Optional, Union
 
-from ..backends import Backend, FinalWrite
+from ..backends import Backend, End, FinalWrite, MarkSwap
 from ..core import marks, policies, terminate
 from ..core.config import Settings
 from ..core.holders import NOBODY
@@ -446,10 +446,8 @@ class Attempt:
                     call.task_id,
                     exc,
                 )
-        if write is not None:
-            self.result_written = bool(lease.release_and_write(write))
-        else:
-            lease.release()
+        lease.release(End(write=write))
+        self.result_written = lease.written
 
     def _record_end_without_body(self) -> None:
         """The call ends without its body (skipped, coalesced, given up): where its
@@ -513,14 +511,15 @@ class Attempt:
         call, ttl = self.call, self.host.finished_ttl
         task_id = call.task_id or ""
         if self._finished_read and not marks.run_recorded(self._finished_mark, call.retries):
-            mark = (marks.finished_key(lease.key, task_id), marks.DONE)
-            expected, new = self._finished_mark, str(call.retries)
-            if write is not None:
-                written = lease.release_and_write(write, (mark, expected, new, ttl))
-                if written is not None:
-                    self.result_written = written
-                    return True
-            elif lease.release_after_mark(mark, expected, new, ttl) is not None:
+            mark = MarkSwap(
+                marks.finished_key(lease.key, task_id),
+                marks.DONE,
+                self._finished_mark,
+                str(call.retries),
+                ttl,
+            )
+            if lease.release(End(mark, write)) is not None:
+                self.result_written = lease.written
                 return True
         marks.mark_finished(lease.backend, lease.key, task_id, call.retries, ttl)
         return False

@@ -396,8 +396,8 @@ def _report_release(settings: Settings, key: str, count: int, infos: list, who: 
         "by": str(who),
     }
     try:
-        settings.backend.append_events(
-            settings.key_prefix, [json.dumps(event)], feed.CAPACITY, feed.TTL
+        feed.append_events(
+            settings.backend, settings.key_prefix, [json.dumps(event)], feed.CAPACITY, feed.TTL
         )
     except ExclusiveError as exc:
         logger.warning("web: the release of %r is not in the feed: %s", key, exc)

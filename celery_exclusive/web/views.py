@@ -2,7 +2,7 @@
 
 Each function makes a fixed number of store reads, whatever the number of leases: a
 page of held keys is one ``Backend.holders_page`` (with the keys' lines, pending reruns
-and enqueue marks), the beat panel one more, the feed one ``read_events``. Values are
+and enqueue marks), the beat panel one more, the feed one ``core.feed.read_events``. Values are
 sent exactly as the store holds them; the page escapes them where it shows them.
 """
 
@@ -17,6 +17,7 @@ from ..backends.base import HeldKey
 from ..backends.line import LINE, entries_of, until_of
 from ..beat.records import SentRun
 from ..core import marks
+from ..core.feed import read_events
 from ..errors import ExclusiveError
 
 #: The holder name of the leader-elected beat's lease (``beat.scheduler``).
@@ -60,7 +61,7 @@ def lease(backend: Backend, info: LeaseInfo) -> dict[str, Any]:
     """One lease as the page shows it: never its owner token, which would let anyone
     who sees the page release or renew it."""
     holder = info.holder
-    renewed = backend.renewed_ago(info)
+    renewed = info.renewed_ago
     limit = holder.get("limit")
     return {
         "task": _text(holder.get("task")),
@@ -118,7 +119,7 @@ def _sent(backend: Backend, key: str, name: str) -> dict[str, Any]:
 def events(backend: Backend, feed: str) -> list[dict[str, Any]]:
     """The feed's events, oldest first; events that are not JSON objects are left out."""
     found = []
-    for raw in backend.read_events(feed):
+    for raw in read_events(backend, feed):
         event = _json(raw)
         if isinstance(event, dict) and isinstance(event.get("id"), str):
             found.append(event)

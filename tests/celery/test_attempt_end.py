@@ -16,9 +16,11 @@ from celery import Celery
 from celery.app.task import Context
 
 from celery_exclusive import ExclusiveTask, signals
+from celery_exclusive.backends import NO_END, MarkRead
 from celery_exclusive.backends.memory import MemoryBackend
 from celery_exclusive.core import marks
 from celery_exclusive.core.heartbeat import heartbeat
+from celery_exclusive.core.lease import acquire
 from celery_exclusive.errors import BackendUnavailable, ConfigurationError
 
 
@@ -81,13 +83,15 @@ def test_a_store_error_as_the_mark_is_written_still_frees_the_key(app, monkeypat
     def error(n):
         return n
 
-    calls = []
+    calls, release = [], MemoryBackend.release
 
-    def failing(self, *args, **kwargs):
-        calls.append(args)
+    def failing(self, lease, end=NO_END):
+        if end.mark is None:
+            return release(self, lease, end)
+        calls.append(end)
         raise BackendUnavailable("blip", self.safe_url)
 
-    monkeypatch.setattr(MemoryBackend, "swap_mark_and_release", failing)
+    monkeypatch.setattr(MemoryBackend, "release", failing)
     as_a_worker_calls(error, 2)
     key = error.exclusive_key_for((2,), {})
     assert calls
@@ -101,13 +105,15 @@ def test_a_mark_written_and_key_freed_whose_answer_was_lost_is_no_loss(app, monk
     def unanswered(n):
         return n
 
-    done = MemoryBackend.swap_mark_and_release
+    release = MemoryBackend.release
 
-    def done_then_lost(self, *args, **kwargs):
-        done(self, *args, **kwargs)
+    def done_then_lost(self, lease, end=NO_END):
+        freed = release(self, lease, end)
+        if end.mark is None:
+            return freed
         raise BackendUnavailable("reply lost", self.safe_url)
 
-    monkeypatch.setattr(MemoryBackend, "swap_mark_and_release", done_then_lost)
+    monkeypatch.setattr(MemoryBackend, "release", done_then_lost)
     _, task_id = as_a_worker_calls(unanswered, 3)
     key = unanswered.exclusive_key_for((3,), {})
     assert unanswered.exclusive_backend.holders_of(key) == []
@@ -160,8 +166,6 @@ def test_a_mark_that_cannot_be_read_after_a_redis_grant_gives_the_grant_back(red
     backend = RedisBackend(redis_url)
     backend.client.rpush(layout.mark("done-of-k", "x"), "not a string")  # GET: WRONGTYPE
     with pytest.raises(ConfigurationError):
-        backend.try_acquire_and_read_mark(
-            "k", uuid.uuid4().hex, 10, 1, None, None, ("done-of-k", "x")
-        )
+        acquire(backend, "k", 10, read=MarkRead("done-of-k", "x"))
     assert backend.holders_of("k") == []
     backend.close()

@@ -12,6 +12,7 @@ import uuid
 
 import pytest
 
+from celery_exclusive.backends import End, MarkRead, MarkSwap
 from celery_exclusive.backends.line import LINE
 from celery_exclusive.errors import ConfigurationError
 
@@ -304,23 +305,21 @@ def test_marks_are_not_listed_as_holders(marks):
 
 def test_a_grant_comes_with_the_mark_read_after_it(marks):
     marks.swap_mark("done-of-k", "x", None, "2", 10)
-    grant, value = marks.try_acquire_and_read_mark(
-        "k", owner(), 10, 1, None, None, ("done-of-k", "x")
-    )
+    grant, value = with_mark(marks, "k", owner(), 10, 1, None, None, ("done-of-k", "x"))
     assert grant is not None and grant.key == "k"
     assert value == "2"
     assert marks.try_acquire("k", owner(), 10) is None
 
 
 def test_a_grant_reads_an_absent_mark_as_none(marks):
-    grant, value = marks.try_acquire_and_read_mark("k", owner(), 10, 1, None, None, ("m", "x"))
+    grant, value = with_mark(marks, "k", owner(), 10, 1, None, None, ("m", "x"))
     assert grant is not None and value is None
 
 
 def test_a_refused_grant_comes_with_the_mark_too(marks):
     marks.try_acquire("k", owner(), 10)
     marks.swap_mark("m", "x", None, "2", 10)
-    assert marks.try_acquire_and_read_mark("k", owner(), 10, 1, None, None, ("m", "x")) == (
+    assert with_mark(marks, "k", owner(), 10, 1, None, None, ("m", "x")) == (
         None,
         "2",
     )
@@ -328,7 +327,7 @@ def test_a_refused_grant_comes_with_the_mark_too(marks):
 
 def test_a_refused_grant_reads_an_absent_mark_as_none(marks):
     marks.try_acquire("k", owner(), 10)
-    assert marks.try_acquire_and_read_mark("k", owner(), 10, 1, None, None, ("m", "x")) == (
+    assert with_mark(marks, "k", owner(), 10, 1, None, None, ("m", "x")) == (
         None,
         None,
     )
@@ -336,15 +335,15 @@ def test_a_refused_grant_reads_an_absent_mark_as_none(marks):
 
 def test_a_grant_with_its_mark_honours_the_line(marks):
     stand_in_line(marks, "k", "first")
-    refused = marks.try_acquire_and_read_mark("k", owner(), 10, 1, None, "second", ("m", "x"))
+    refused = with_mark(marks, "k", owner(), 10, 1, None, "second", ("m", "x"))
     assert refused[0] is None
-    grant, _ = marks.try_acquire_and_read_mark("k", owner(), 10, 1, None, "first", ("m", "x"))
+    grant, _ = with_mark(marks, "k", owner(), 10, 1, None, "first", ("m", "x"))
     assert grant is not None and in_line(marks, "k") == []
 
 
 def test_setting_the_mark_and_releasing_does_both(marks):
     lease = marks.try_acquire("k", owner(), 10)
-    assert marks.swap_mark_and_release(lease, ("m", "x"), None, "3", 10) is True
+    assert marks.release(lease, End(MarkSwap("m", "x", None, "3", 10))) is True
     assert marks.read_mark("m", "x") == "3"
     assert marks.try_acquire("k", owner(), 10) is not None
 
@@ -352,15 +351,15 @@ def test_setting_the_mark_and_releasing_does_both(marks):
 def test_setting_the_mark_and_releasing_swaps_from_the_expected_value(marks):
     marks.swap_mark("m", "x", None, "1", 10)
     lease = marks.try_acquire("k", owner(), 10)
-    assert marks.swap_mark_and_release(lease, ("m", "x"), "1", "2", 10) is True
+    assert marks.release(lease, End(MarkSwap("m", "x", "1", "2", 10))) is True
     assert marks.read_mark("m", "x") == "2"
 
 
 def test_setting_the_mark_and_releasing_frees_one_slot_of_a_limit(marks):
     first = marks.try_acquire("k", owner(), 10, 2)
-    grant, value = marks.try_acquire_and_read_mark("k", owner(), 10, 2, None, None, ("m", "x"))
+    grant, value = with_mark(marks, "k", owner(), 10, 2, None, None, ("m", "x"))
     assert first is not None and grant is not None and value is None
-    assert marks.swap_mark_and_release(grant, ("m", "x"), None, "0", 10) is True
+    assert marks.release(grant, End(MarkSwap("m", "x", None, "0", 10))) is True
     assert [info.owner for info in marks.holders_of("k")] == [first.owner]
     assert marks.try_acquire("k", owner(), 10, 2) is not None
 
@@ -368,7 +367,7 @@ def test_setting_the_mark_and_releasing_frees_one_slot_of_a_limit(marks):
 def test_a_mark_that_moved_leaves_mark_and_lease_as_they_were(marks):
     marks.swap_mark("m", "x", None, "5", 10)
     lease = marks.try_acquire("k", owner(), 10)
-    assert marks.swap_mark_and_release(lease, ("m", "x"), None, "3", 10) is None
+    assert marks.release(lease, End(MarkSwap("m", "x", None, "3", 10))) is None
     assert marks.read_mark("m", "x") == "5"
     assert marks.try_acquire("k", owner(), 10) is None
     assert marks.release(lease) is True
@@ -376,16 +375,24 @@ def test_a_mark_that_moved_leaves_mark_and_lease_as_they_were(marks):
 
 def test_setting_the_mark_and_releasing_again_finds_its_own_write(marks):
     lease = marks.try_acquire("k", owner(), 10)
-    assert marks.swap_mark_and_release(lease, ("m", "x"), None, "3", 10) is True
-    assert marks.swap_mark_and_release(lease, ("m", "x"), None, "3", 10) is False
+    assert marks.release(lease, End(MarkSwap("m", "x", None, "3", 10))) is True
+    assert marks.release(lease, End(MarkSwap("m", "x", None, "3", 10))) is False
     assert marks.read_mark("m", "x") == "3"
 
 
 def test_setting_the_mark_on_a_lease_already_gone_reports_it_not_freed(marks):
     lease = marks.try_acquire("k", owner(), 10)
     marks.force_release("k")
-    assert marks.swap_mark_and_release(lease, ("m", "x"), None, "3", 10) is False
+    assert marks.release(lease, End(MarkSwap("m", "x", None, "3", 10))) is False
     assert marks.read_mark("m", "x") == "3"
+
+
+def with_mark(store, key, owner, ttl, limit, holder, claimant, mark):
+    """A grant and the mark read right after it, as the lease layer asks a store: in the
+    grant's round trip where the store fills the read in, else right after."""
+    read = MarkRead(*mark)
+    grant = store.try_acquire(key, owner, ttl, limit, holder, claimant, read)
+    return grant, read.value if read.done else store.read_mark(*mark)
 
 
 def stand_in_line(store, key: str, *claimants: str, ttl: float = 10) -> None:

@@ -14,6 +14,7 @@ import pytest
 
 from celery_exclusive.backends import Backend
 from celery_exclusive.backends.line import LINE
+from celery_exclusive.core.feed import append_events, read_events
 from celery_exclusive.errors import ConfigurationError
 
 
@@ -118,7 +119,7 @@ def test_a_renewal_shows_as_the_time_since_the_lease_was_last_extended(backend):
     [before] = backend.holders_of("app:k")
     backend.renew([lease])
     [after] = backend.holders_of("app:k")
-    since_before, since_after = backend.renewed_ago(before), backend.renewed_ago(after)
+    since_before, since_after = before.renewed_ago, after.renewed_ago
     if since_before is None:  # the store cannot tell (etcd, Consul): it says so, always
         assert since_after is None
         return
@@ -129,22 +130,22 @@ def test_a_renewal_shows_as_the_time_since_the_lease_was_last_extended(backend):
 def test_the_time_since_renewal_is_unknown_without_the_leases_ttl(backend):
     backend.try_acquire("app:k", owner(), 30, holder={"task_id": "t"})
     [info] = backend.holders_of("app:k")
-    assert backend.renewed_ago(info) is None
+    assert info.renewed_ago is None
 
 
 # --- the feed of events ------------------------------------------------------------------
 
 
 def test_events_come_back_in_the_order_they_were_added(backend):
-    backend.append_events("app:", ["one", "two"], 100, 60)
-    backend.append_events("app:", ["three"], 100, 60)
-    assert backend.read_events("app:") == ["one", "two", "three"]
+    append_events(backend, "app:", ["one", "two"], 100, 60)
+    append_events(backend, "app:", ["three"], 100, 60)
+    assert read_events(backend, "app:") == ["one", "two", "three"]
 
 
 def test_a_feed_keeps_only_its_newest_events(backend):
     for i in range(5):
-        backend.append_events("app:", [f"e{i}a", f"e{i}b"], 4, 60)
-    events = backend.read_events("app:")
+        append_events(backend, "app:", [f"e{i}a", f"e{i}b"], 4, 60)
+    events = read_events(backend, "app:")
     # Redis trims its streams approximately: a few more may stay, never the oldest first.
     assert events[-4:] == ["e3a", "e3b", "e4a", "e4b"]
     assert events == [f"e{i}{x}" for i in range(5) for x in "ab"][-len(events) :]
@@ -152,21 +153,21 @@ def test_a_feed_keeps_only_its_newest_events(backend):
 
 def test_a_feed_expires_after_its_ttl(backend, backend_case):
     ttl = backend_case.short_ttl
-    backend.append_events("app:", ["soon gone"], 100, ttl)
+    append_events(backend, "app:", ["soon gone"], 100, ttl)
     time.sleep(ttl * 2.5)
-    assert backend.read_events("app:") == []
+    assert read_events(backend, "app:") == []
 
 
 def test_feeds_of_two_prefixes_are_apart_and_apart_from_keys(backend):
-    backend.append_events("app:", ["mine"], 100, 60)
-    backend.append_events("other:", ["theirs"], 100, 60)
+    append_events(backend, "app:", ["mine"], 100, 60)
+    append_events(backend, "other:", ["theirs"], 100, 60)
     backend.try_acquire("app:", owner(), 30)
-    assert backend.read_events("app:") == ["mine"]
-    assert backend.read_events("other:") == ["theirs"]
+    assert read_events(backend, "app:") == ["mine"]
+    assert read_events(backend, "other:") == ["theirs"]
     assert [held.key for held in backend.holders_page("app:").keys] == ["app:"]
 
 
 def test_events_hold_any_text(backend):
     events = ['{"key": "<script>\\u0000"}', "line\nbreak", "é" * 500]
-    backend.append_events("app:", events, 100, 60)
-    assert backend.read_events("app:") == events
+    append_events(backend, "app:", events, 100, 60)
+    assert read_events(backend, "app:") == events

@@ -308,7 +308,7 @@ def test_a_pending_rerun_delivered_again_runs_unlocked_with_the_pending_argument
         raise BackendUnavailable("the store did not answer", memory_url)
 
     # The store answers the read of the kept arguments, then not the grant.
-    monkeypatch.setattr(call.backend, "try_acquire_and_read_mark", unanswered)
+    monkeypatch.setattr(call.backend, "try_acquire", unanswered)
     ran_with = []
     outcome = attempt.run(
         call, REDELIVERED_WHEN_STOPPED, lambda args, kwargs: ran_with.append((args, kwargs))

@@ -10,14 +10,14 @@ import pytest
 
 from celery_exclusive.backends import backend_for_url
 from celery_exclusive.core import feed as feed_module
-from celery_exclusive.core.feed import Feed
+from celery_exclusive.core.feed import Feed, append_events, read_events
 from celery_exclusive.core.lease import acquire
 from celery_exclusive.errors import BackendUnavailable
 from tests.support.workers import Worker
 
 
 def kinds(backend, prefix="exclusive:") -> list[str]:
-    return [json.loads(event)["kind"] for event in backend.read_events(prefix)]
+    return [json.loads(event)["kind"] for event in read_events(backend, prefix)]
 
 
 def wait_for(predicate, timeout: float = 20.0):
@@ -30,32 +30,34 @@ def wait_for(predicate, timeout: float = 20.0):
     raise AssertionError(f"not within {timeout}s")
 
 
-def test_noted_events_reach_the_store_in_one_batch(sqlite_url):
+def test_noted_events_reach_the_store_in_one_batch(sqlite_url, monkeypatch):
     backend = backend_for_url(sqlite_url)
     calls = []
-    original = backend.append_events
-    backend.append_events = lambda *args: (calls.append(args), original(*args))[1]
+    monkeypatch.setattr(
+        feed_module, "append_events", lambda *args: (calls.append(args), append_events(*args))[1]
+    )
     feed = Feed()
     for i in range(5):
         feed.note(backend, "exclusive:", "skipped", f"exclusive:k{i}", task="t", task_id=str(i))
-    wait_for(lambda: len(backend.read_events("exclusive:")) == 5)
+    wait_for(lambda: len(read_events(backend, "exclusive:")) == 5)
     assert len(calls) == 1
-    events = [json.loads(e) for e in backend.read_events("exclusive:")]
+    events = [json.loads(e) for e in read_events(backend, "exclusive:")]
     assert [e["key"] for e in events] == [f"exclusive:k{i}" for i in range(5)]
     assert {e["kind"] for e in events} == {"skipped"}
 
 
 class DownStore:
-    """A store that does not answer until told to."""
+    """A store that does not answer its feed until told to."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, monkeypatch) -> None:
         self.inner = backend_for_url(url)
         self.up = False
+        monkeypatch.setattr(feed_module, "append_events", self.append_events)
 
-    def append_events(self, *args) -> None:
+    def append_events(self, store, *args) -> None:
         if not self.up:
             raise BackendUnavailable("down for the test", "test://")
-        self.inner.append_events(*args)
+        append_events(self.inner, *args)
 
 
 def test_events_wait_for_a_store_that_does_not_answer_and_what_overflowed_is_said(
@@ -63,14 +65,14 @@ def test_events_wait_for_a_store_that_does_not_answer_and_what_overflowed_is_sai
 ):
     monkeypatch.setattr(feed_module, "BUFFER", 10)
     monkeypatch.setattr(feed_module, "RETRY_FIRST", 0.1)
-    store = DownStore(sqlite_url)
+    store = DownStore(sqlite_url, monkeypatch)
     feed = Feed()
     for i in range(15):
         feed.note(store, "exclusive:", "skipped", f"exclusive:k{i}")
     time.sleep(0.5)
-    assert store.inner.read_events("exclusive:") == []
+    assert read_events(store.inner, "exclusive:") == []
     store.up = True
-    events = wait_for(lambda: [json.loads(e) for e in store.inner.read_events("exclusive:")])
+    events = wait_for(lambda: [json.loads(e) for e in read_events(store.inner, "exclusive:")])
     assert events[0]["kind"] == "missed"
     assert events[0]["count"] == 5
     assert [e["key"] for e in events[1:]] == [f"exclusive:k{i}" for i in range(5, 15)]
@@ -84,7 +86,7 @@ def test_a_lease_lost_while_held_is_reported(sqlite_url):
     outcome = policies.claim(settings, backend, "exclusive:k", "t.lost", "task-1")
     backend.force_release("exclusive:k")
     outcome.lease.release()  # the store no longer had it: a loss
-    [event] = wait_for(lambda: [json.loads(e) for e in backend.read_events("exclusive:")])
+    [event] = wait_for(lambda: [json.loads(e) for e in read_events(backend, "exclusive:")])
     assert (event["kind"], event["key"], event["task_id"]) == ("lost", "exclusive:k", "task-1")
     assert "no longer had it" in event["reason"]
 
@@ -104,7 +106,7 @@ def test_each_duplicate_outcome_is_reported_with_whom_it_yielded_to(sqlite_url, 
         if policy == "rerun":  # the first duplicate becomes the pending rerun
             backend.swap_mark("exclusive:k", "rerun", None, json.dumps({"task_id": "r-1"}), 30)
         policies.claim(settings, backend, "exclusive:k", "t", "dup-1", arguments="{}")
-        [event] = wait_for(lambda: [json.loads(e) for e in backend.read_events("exclusive:")])
+        [event] = wait_for(lambda: [json.loads(e) for e in read_events(backend, "exclusive:")])
         assert (event["kind"], event["task_id"]) == (kind, "dup-1")
         assert event["other"] == ("r-1" if policy == "rerun" else "holder-1")
     finally:
@@ -119,7 +121,7 @@ def test_a_call_that_gets_its_key_reports_nothing(sqlite_url):
     outcome = policies.claim(settings, backend, "exclusive:k", "t", "task-1")
     outcome.lease.release()
     time.sleep(feed_module.FLUSH_DELAY * 3)
-    assert backend.read_events("exclusive:") == []
+    assert read_events(backend, "exclusive:") == []
 
 
 # --- from real workers ----------------------------------------------------------------------
@@ -146,7 +148,7 @@ def test_duplicates_on_a_worker_reach_the_feed_another_process_reads(workers):
     wait_for(lambda: backend.holders_of("exclusive:job:1"))
     assert client.send_task("web.hold", (1, 0)).get(timeout=20)["outcome"] == "skipped"
     assert first.get(timeout=20) == "held 1"
-    [event] = wait_for(lambda: [json.loads(e) for e in backend.read_events("exclusive:")])
+    [event] = wait_for(lambda: [json.loads(e) for e in read_events(backend, "exclusive:")])
     assert (event["kind"], event["key"], event["task"]) == (
         "skipped",
         "exclusive:job:1",

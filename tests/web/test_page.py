@@ -13,6 +13,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from celery_exclusive.backends import backend_for_url
+from celery_exclusive.core.feed import append_events
 from celery_exclusive.core.lease import acquire
 from celery_exclusive.errors import ExclusiveError
 from celery_exclusive.web import create_app
@@ -126,7 +127,7 @@ def test_hostile_keys_come_back_exactly_as_json_data(store, hostile):
 def test_the_stream_pushes_snapshots_with_each_feed_event_once(store, held):
     backend = backend_for_url(store)
     event = {"id": "e-1", "at": 1.0, "kind": "skipped", "key": "exclusive:invoice:7"}
-    backend.append_events("exclusive:", [json.dumps(event)], 100, 60)
+    append_events(backend, "exclusive:", [json.dumps(event)], 100, 60)
     web = client(store, refresh=0.2)
     snapshots = []
     with web.stream("GET", "/api/stream") as answer:

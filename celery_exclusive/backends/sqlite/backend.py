@@ -31,7 +31,18 @@ from typing import Any, Optional
 from urllib.parse import urlsplit
 
 from ...errors import BackendUnavailable, ConfigurationError
-from ..base import Backend, Capabilities, HoldersPage, Lease, LeaseInfo, page_of
+from ..base import (
+    NO_END,
+    Backend,
+    Capabilities,
+    End,
+    HoldersPage,
+    Lease,
+    LeaseInfo,
+    MarkRead,
+    page_of,
+    unavailable,
+)
 from ..limits import check_limit
 from ..line import LINE, admit, first_in_line
 from . import schema
@@ -168,7 +179,7 @@ class SQLiteBackend(Backend):
         else:
             permanent = any(text in message for text in _PERMANENT_MESSAGES)
         if not permanent:
-            return self.unavailable(action, exc)
+            return unavailable(self.safe_url, action, exc)
         return ConfigurationError(
             f"the lease store {self.safe_url} cannot be used ({type(exc).__name__} while "
             f"{action}: {exc}). Check exclusive_backend_url: {os.path.abspath(self.path)} "
@@ -227,7 +238,14 @@ class SQLiteBackend(Backend):
         limit: int = 1,
         holder: Optional[Mapping[str, Any]] = None,
         claimant: Optional[str] = None,
+        read: Optional[MarkRead] = None,
     ) -> Optional[Lease]:
+        def acquire_and_read(conn: sqlite3.Connection) -> Optional[Lease]:
+            grant = acquire(conn)
+            if read is not None:
+                read.value, read.done = _live_mark(conn, read.key, read.kind, self._now()), True
+            return grant
+
         def acquire(conn: sqlite3.Connection) -> Optional[Lease]:
             now = self._now()
             conn.execute(
@@ -268,7 +286,7 @@ class SQLiteBackend(Backend):
             )
             return Lease(key, owner, token, ttl, limit)
 
-        return self._write(f"acquiring {key!r}", acquire)
+        return self._write(f"acquiring {key!r}", acquire_and_read)
 
     def renew(self, leases: Iterable[Lease]) -> set[Lease]:
         leases = list(leases)
@@ -297,8 +315,17 @@ class SQLiteBackend(Backend):
             # once, so that holders stop before their keys are granted in another file.
             return set(leases)
 
-    def release(self, lease: Lease) -> bool:
-        def release(conn: sqlite3.Connection) -> bool:
+    def release(self, lease: Lease, end: End = NO_END) -> Optional[bool]:
+        if end.write is not None:
+            return super().release(lease, end)  # refused: no final writes here
+        mark = end.mark
+
+        def release(conn: sqlite3.Connection) -> Optional[bool]:
+            if mark is not None:
+                current = _live_mark(conn, mark.key, mark.kind, self._now())
+                if current not in (mark.expected, mark.new):
+                    return None
+                _set_mark(conn, mark.key, mark.kind, mark.new, self._expiry(self._now(), mark.ttl))
             cursor = conn.execute(
                 "DELETE FROM exclusive_leases WHERE key = ? AND owner = ? AND expires_at > ?",
                 (lease.key, lease.owner, self._now()),
@@ -464,14 +491,7 @@ class SQLiteBackend(Backend):
             now = self._now()
             if _live_mark(conn, key, kind, now) != expected:
                 return False
-            if new is None:
-                conn.execute("DELETE FROM exclusive_marks WHERE key = ? AND kind = ?", (key, kind))
-            else:
-                conn.execute(
-                    "INSERT INTO exclusive_marks VALUES (?, ?, ?, ?) ON CONFLICT (key, kind) "
-                    "DO UPDATE SET value = excluded.value, expires_at = excluded.expires_at",
-                    (key, kind, new, self._expiry(now, ttl)),
-                )
+            _set_mark(conn, key, kind, new, self._expiry(now, ttl))
             return True
 
         return self._write(f"changing the {kind} mark of {key!r}", swap)
@@ -486,6 +506,19 @@ class SQLiteBackend(Backend):
 def _uid() -> int:
     getuid = getattr(os, "getuid", None)
     return getuid() if getuid is not None else 0
+
+
+def _set_mark(
+    conn: sqlite3.Connection, key: str, kind: str, value: Optional[str], expires_at: float
+) -> None:
+    if value is None:
+        conn.execute("DELETE FROM exclusive_marks WHERE key = ? AND kind = ?", (key, kind))
+    else:
+        conn.execute(
+            "INSERT INTO exclusive_marks VALUES (?, ?, ?, ?) ON CONFLICT (key, kind) "
+            "DO UPDATE SET value = excluded.value, expires_at = excluded.expires_at",
+            (key, kind, value, expires_at),
+        )
 
 
 def _live_mark(conn: sqlite3.Connection, key: str, kind: str, now: float) -> Optional[str]:
