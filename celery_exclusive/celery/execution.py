@@ -11,9 +11,9 @@ any case.
 
 The engine (:mod:`celery_exclusive.engine.attempt`) decides; this module tells it what
 a Celery call can do (:func:`host_of`) and carries its outcome out in Celery's terms
-(:func:`_carry_out`): a result, a terminal "skipped" state, a message sent again
-(``Retry``), a redelivered copy ended without a trace (``Ignore``), a message handed
-back to the broker (``Reject``).
+(:class:`CeleryOutcomes`, one method per outcome): a result, a terminal "skipped"
+state, a message sent again (``Retry``), a redelivered copy ended without a trace
+(``Ignore``), a message handed back to the broker (``Reject``).
 
 A task with ``acks_late`` may see its message delivered twice (a Redis or SQS
 broker's visibility timeout, a connection lost before the ack): the copy is
@@ -33,8 +33,8 @@ from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
 from celery.worker.request import Request as CeleryRequest
 
-from ..core import config, marks
-from ..engine import attempt, outcomes
+from ..core import config, holders, marks, outcomes
+from ..engine import attempt
 from ..errors import BackendUnavailable, DuplicateCoalesced, DuplicateSkipped
 from . import results
 
@@ -132,7 +132,8 @@ def _call_exclusive(
         resumed=bool(_header(request, RESUMED_HEADER, False)),
     )
     outcome = attempt.run(the_call, host_of(task, request, settings), lambda a, k: body(*a, **k))
-    return _carry_out(task, outcome), isinstance(outcome, outcomes.Ran) and outcome.written
+    handler = CeleryOutcomes(task)
+    return outcome.carry_out(handler), handler.result_written
 
 
 def host_of(task: Any, request: Any = None, settings: Any = None) -> attempt.Host:
@@ -207,88 +208,133 @@ def finished_ttl(task: Any) -> float:
 # --- the outcome, in Celery's terms ------------------------------------------------------
 
 
-def _carry_out(task: Any, outcome: outcomes.Outcome) -> Any:
-    if isinstance(outcome, outcomes.Ran):
+class CeleryOutcomes(outcomes.OutcomeHandler):
+    """The engine's outcome of one call of ``task``, in Celery's terms: what the task
+    returns, or the exception that ends it in the state it must end in."""
+
+    def __init__(self, task: Any) -> None:
+        self.task = task
+        self.request = task.request
+        #: Whether the result was stored with the release of the lease (which cleared
+        #: the call's enqueue mark too).
+        self.result_written = False
+
+    def handle_ran(self, outcome: outcomes.Ran) -> Any:
+        self.result_written = outcome.written
         if outcome.written:
             # Stored with the release of the lease: Celery's tracer, which reads this
             # when it would store the result, leaves it as it is.
-            task.request.ignore_result = True
+            self.request.ignore_result = True
         return outcome.result
-    request, key, name = task.request, outcome.key, task.name
-    if isinstance(outcome, outcomes.Skipped):
-        logger.info(
-            "duplicate skipped key=%s task_id=%s holder=%s", key, request.id, outcome.holder_task_id
-        )
-        holder = attempt.describe_holder(outcome.holder_task_id, outcome.holder)
+
+    def handle_skipped(self, outcome: outcomes.Skipped) -> Any:
+        key, task_id = outcome.key, self.request.id
+        holder = holders.named(outcome.holder_task_id, outcome.holder)
+        logger.info("duplicate skipped key=%s task_id=%s holder=%s", key, task_id, holder)
         return _duplicate_ends(
-            task,
+            self.task,
             DuplicateSkipped(
-                f"{name}[{request.id}] was skipped: its key {key!r} is held by {holder}. Use "
-                "exclusive_on_duplicate='requeue', 'wait' or 'rerun' to run it later instead.",
+                f"{self.task.name}[{task_id}] was skipped: its key {key!r} is held by "
+                f"{holder}. Use exclusive_on_duplicate='requeue', 'wait' or 'rerun' to run "
+                "it later instead.",
                 key,
                 outcome.holder_task_id,
             ),
             {"outcome": "skipped", "key": key, "holder": outcome.holder_task_id},
         )
-    if isinstance(outcome, outcomes.Coalesced):
-        logger.info(
-            "duplicate coalesced key=%s task_id=%s rerun=%s", key, request.id, outcome.rerun_task_id
-        )
+
+    def handle_coalesced(self, outcome: outcomes.Coalesced) -> Any:
+        key, task_id, rerun = outcome.key, self.request.id, outcome.rerun_task_id
+        logger.info("duplicate coalesced key=%s task_id=%s rerun=%s", key, task_id, rerun)
         return _duplicate_ends(
-            task,
+            self.task,
             DuplicateCoalesced(
-                f"{name}[{request.id}] joined the pending rerun of {key!r}, task "
-                f"{outcome.rerun_task_id}, which runs once after the current holder.",
+                f"{self.task.name}[{task_id}] joined the pending rerun of {key!r}, task "
+                f"{rerun}, which runs once after the current holder.",
                 key,
-                outcome.rerun_task_id,
+                rerun,
             ),
-            {"outcome": "coalesced", "key": key, "rerun": outcome.rerun_task_id},
+            {"outcome": "coalesced", "key": key, "rerun": rerun},
         )
-    if isinstance(outcome, outcomes.Requeue):
-        _send_again(task, outcome)
-    if isinstance(outcome, outcomes.GaveUp):
+
+    def handle_requeue(self, outcome: outcomes.Requeue) -> NoReturn:
+        """Send this call again after the countdown, then end this attempt."""
+        signature = send_again(self.task, self.request, outcome)
+        raise Retry(
+            f"requeued: {outcome.key!r} {outcome.reason}", when=outcome.countdown, sig=signature
+        )
+
+    def handle_gave_up(self, outcome: outcomes.GaveUp) -> NoReturn:
+        name, task_id, key = self.task.name, self.request.id, outcome.key
         advice = "Raise exclusive_requeue_max_retries (None: no limit)."
         if outcome.cause == "unanswered":
             raise BackendUnavailable(
-                f"{name}[{request.id}] gave up after {outcome.requeues} requeues: "
+                f"{name}[{task_id}] gave up after {outcome.requeues} requeues: "
                 f"{outcome.reason} while it tried to take {key!r}. {advice}",
-                task.exclusive_backend.safe_url,
+                self.task.exclusive_backend.safe_url,
             )
         raise DuplicateSkipped(
-            f"{name}[{request.id}] gave up after {outcome.requeues} requeues: its key {key!r} "
+            f"{name}[{task_id}] gave up after {outcome.requeues} requeues: its key {key!r} "
             f"stayed {outcome.reason}. {advice}",
             key,
             None,
         )
-    if isinstance(outcome, outcomes.Waited):
+
+    def handle_waited(self, outcome: outcomes.Waited) -> NoReturn:
         raise DuplicateSkipped(
-            f"{name} called directly or eagerly could not run: its key {key!r} "
-            f"stayed {outcome.reason} for exclusive_wait_timeout={outcome.wait_timeout}s.",
-            key,
+            f"{self.task.name} called directly or eagerly could not run: its key "
+            f"{outcome.key!r} stayed {outcome.reason} for "
+            f"exclusive_wait_timeout={outcome.wait_timeout}s.",
+            outcome.key,
             None,
         )
-    if isinstance(outcome, outcomes.Unanswered):
-        how = "eagerly" if request.is_eager else "directly"
+
+    def handle_unanswered(self, outcome: outcomes.Unanswered) -> NoReturn:
+        how = "eagerly" if self.request.is_eager else "directly"
         raise config.unanswered_in_process(
-            f"{name}[{request.id}], called {how},", key, outcome.error
+            f"{self.task.name}[{self.request.id}], called {how},", outcome.key, outcome.error
         ) from None
-    if isinstance(outcome, outcomes.SetAside):
-        _set_aside(task, outcome)
-    if isinstance(outcome, outcomes.Dropped):
+
+    def handle_set_aside(self, outcome: outcomes.SetAside) -> NoReturn:
+        """A copy whose first delivery still runs: send it again later, end quietly.
+
+        Acknowledging the copy also drops the broker's record of the first delivery
+        (both carry one delivery tag), so the copy stays around, as a new message, in
+        case the first delivery dies without finishing. When it comes back after the
+        first one ended, it is dropped.
+        """
+        request = self.request
+        headers = dict(request.headers or {})
+        headers[REQUEUES_HEADER] = outcome.requeues
+        self.task.signature_from_request(
+            request, countdown=outcome.countdown, headers=headers, retries=request.retries
+        ).apply_async()
         logger.info(
-            "redelivered copy dropped key=%s task_id=%s: this attempt already ran", key, request.id
+            "redelivered copy set aside key=%s task_id=%s: the first delivery still runs; "
+            "the copy comes back in %.2fs in case it dies",
+            outcome.key,
+            request.id,
+            outcome.countdown,
         )
         raise RedeliveredCopy()
-    if isinstance(outcome, outcomes.Redelivered):
+
+    def handle_dropped(self, outcome: outcomes.Dropped) -> NoReturn:
+        logger.info(
+            "redelivered copy dropped key=%s task_id=%s: this attempt already ran",
+            outcome.key,
+            self.request.id,
+        )
+        raise RedeliveredCopy()
+
+    def handle_redelivered(self, outcome: outcomes.Redelivered) -> NoReturn:
         logger.warning(
             "%s[%s] was stopped by the loss of its lease on %r; its message goes "
             "back to the queue (acks_late and reject_on_worker_lost)",
-            name,
-            request.id,
-            key,
+            self.task.name,
+            self.request.id,
+            outcome.key,
         )
         raise Reject(outcome.error, requeue=True) from None
-    raise TypeError(f"unknown outcome {outcome!r}")  # pragma: no cover - a closed set
 
 
 def _duplicate_ends(task: Any, error: DuplicateSkipped, result: dict[str, Any]) -> dict[str, Any]:
@@ -298,14 +344,6 @@ def _duplicate_ends(task: Any, error: DuplicateSkipped, result: dict[str, Any]) 
     if task.exclusive_settings.skip_state == "failure":
         raise error
     return result
-
-
-def _send_again(task: Any, outcome: outcomes.Requeue) -> NoReturn:
-    """Send this call again after the countdown, then end this attempt."""
-    signature = send_again(task, task.request, outcome)
-    raise Retry(
-        f"requeued: {outcome.key!r} {outcome.reason}", when=outcome.countdown, sig=signature
-    )
 
 
 def send_again(task: Any, request: Any, outcome: outcomes.Requeue) -> Any:
@@ -347,30 +385,6 @@ _REQUEUED_AS = {
     "unanswered": "requeued until the lease store answers",
     "lost": "requeued after its lease was lost",
 }
-
-
-def _set_aside(task: Any, outcome: outcomes.SetAside) -> NoReturn:
-    """A copy whose first delivery still runs: send it again later, end quietly.
-
-    Acknowledging the copy also drops the broker's record of the first delivery
-    (both carry one delivery tag), so the copy stays around, as a new message, in
-    case the first delivery dies without finishing. When it comes back after the
-    first one ended, it is dropped.
-    """
-    request = task.request
-    headers = dict(request.headers or {})
-    headers[REQUEUES_HEADER] = outcome.requeues
-    task.signature_from_request(
-        request, countdown=outcome.countdown, headers=headers, retries=request.retries
-    ).apply_async()
-    logger.info(
-        "redelivered copy set aside key=%s task_id=%s: the first delivery still runs; "
-        "the copy comes back in %.2fs in case it dies",
-        outcome.key,
-        request.id,
-        outcome.countdown,
-    )
-    raise RedeliveredCopy()
 
 
 def _clear_enqueue_mark(task: Any, key: str) -> None:

@@ -19,11 +19,12 @@ from kombu.utils.uuid import uuid
 
 from .. import signals
 from ..backends import Backend, backend_for_url
-from ..core import config, marks, policies
+from ..core import config, marks
 from ..core.keys import KeyBinder, KeySpec, check_key_spec
 from ..core.lease import HeldLease, UnlockedLease
 from ..core.lock import ExclusiveLock
 from ..engine import attempt
+from ..engine.arguments import decode_call
 from ..errors import BackendUnavailable, DuplicateSkipped, ExclusiveError
 from . import checks, execution, worker
 from .execution import REQUEUES_HEADER, RedeliveredCopy  # noqa: F401 - where they were
@@ -268,7 +269,7 @@ class ExclusiveTask(Task):
             # The body runs as the pending rerun of its key, with the newest duplicate's
             # arguments rather than its message's (``self.request.args``): the retry
             # goes with them, where it is not given its own.
-            pending_args, pending_kwargs = policies.decode_call(current.arguments)
+            pending_args, pending_kwargs = decode_call(current.arguments)
             args = pending_args if args is None else args
             kwargs = pending_kwargs if kwargs is None else kwargs
         handing_off = current is not None and throw

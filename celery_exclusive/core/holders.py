@@ -39,6 +39,12 @@ def describe(info: LeaseInfo) -> str:
     return f"{taken_for} in {where}"
 
 
+def named(task_id: Optional[str], holder: Optional[str] = None, noun: str = "task") -> str:
+    """Whom a duplicate yielded to, in words: the holding task (or job) by its id, else
+    the holder as described (a lock, a foreign client), else :data:`NOBODY`."""
+    return f"{noun} {task_id}" if task_id else holder or NOBODY
+
+
 def first_described(infos: Iterable[LeaseInfo]) -> Optional[str]:
     """The first holder, described; None when there is none."""
     for info in infos:

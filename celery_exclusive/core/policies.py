@@ -1,11 +1,13 @@
 """What a call gets when its key is held: the decision, not its execution.
 
-:func:`claim` returns one outcome and the integration (Celery task or RQ job)
-carries it out in its own terms: :class:`Run` the body under the lease,
-:class:`Skip` with a terminal result naming the holder, :class:`Coalesce` into the
-pending rerun, :class:`Requeue` after a delay, :class:`Redelivered` (a second copy
-of a call that is running now) set aside without a trace, or :class:`Ended` (a copy of
-a call that ran to the end) dropped without one. Nothing here knows Celery or RQ.
+:func:`claim` takes the key or returns what the duplicate gets, one of the outcomes of
+:mod:`.outcomes`: a :class:`Granted` key to run under, :class:`~.outcomes.Skipped`,
+:class:`~.outcomes.Coalesced` into the pending rerun, a ``"held"``
+:class:`~.outcomes.Requeue`, :class:`~.outcomes.SetAside` (a second copy of a call that
+is running now) or :class:`~.outcomes.Dropped` (a copy of a call that ran to the end).
+What a duplicate gets under ``on_duplicate`` is a small function of
+:data:`STRATEGIES`, found by name: a new strategy is one function and one row. Nothing
+here knows Celery or RQ; what the host can do with the answer is the engine's to decide.
 """
 
 from __future__ import annotations
@@ -14,17 +16,15 @@ import random
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import Optional, Union
-
-from kombu.utils.json import dumps, loads
+from typing import Callable, Optional, Union
 
 from .. import signals
 from ..backends import Backend, MarkRead
-from ..errors import ExclusiveError
-from . import feed, marks
+from ..errors import ConfigurationError
+from . import feed, holders, marks
 from .config import Settings
-from .holders import first_described as described_holder
 from .lease import HeldLease, acquire
+from .outcomes import Coalesced, Dropped, Requeue, SetAside, Skipped
 
 #: Seconds a waiter sleeps when the store woke it at once but refused the grant; it
 #: doubles while that goes on.
@@ -32,7 +32,9 @@ SPIN_PAUSE = 0.01
 
 
 @dataclass(frozen=True)
-class Run:
+class Granted:
+    """The key was taken: the body runs under ``lease``."""
+
     lease: HeldLease
     #: A pending rerun's arguments (JSON) to run with instead of the call's own.
     arguments: Optional[str] = None
@@ -43,53 +45,125 @@ class Run:
     finished: Optional[str] = None
 
 
-@dataclass(frozen=True)
-class Skip:
-    key: str
-    holder_task_id: Optional[str]
-    #: The holder in words, when it is no task (a lock, a foreign client: see holders.py).
-    holder: Optional[str] = None
+#: What :func:`claim` answers.
+Claimed = Union[Granted, Skipped, Coalesced, Requeue, SetAside, Dropped]
 
 
 @dataclass(frozen=True)
-class Coalesce:
-    """A duplicate under ``rerun`` that joined the pending rerun instead of running."""
+class Duplicate:
+    """A call that found its key held, as a strategy sees it."""
 
+    settings: Settings
+    backend: Backend
     key: str
-    rerun_task_id: str
+    name: str
+    task_id: Optional[str]
+    requeues: int
+    #: The call's arguments (JSON), which a ``rerun`` duplicate hands to the pending rerun.
+    arguments: Optional[str]
+    #: The task id of a holder (or of the first in line), and the holder in words when
+    #: it is no task (a lock, a foreign client).
+    holder: Optional[str]
+    described: Optional[str]
+    #: What the host calls a call, in words: ``task`` or ``job``.
+    noun: str
+    redelivery: bool
+    retries: int
+    resumed: bool
+
+    def requeued(self) -> Requeue:
+        """Go back to the queue for a while; the engine decides whether it can."""
+        return Requeue(
+            self.key,
+            requeue_delay(self.settings, self.requeues),
+            f"held by {holders.named(self.holder, self.described, self.noun)}",
+            "held",
+            self.requeues + 1,
+            self.holder,
+        )
+
+    def granted(self, lease: HeldLease) -> Union[Granted, Dropped]:
+        """The key came free for it after all: it runs (or, a copy of an attempt that
+        ended, is dropped)."""
+        run = _run(self.settings, self.backend, self.key, self.task_id, lease)
+        return _unless_ended(
+            self.backend, run, self.task_id, self.retries, self.resumed, self.redelivery
+        )
 
 
-@dataclass(frozen=True)
-class Requeue:
-    key: str
-    countdown: float
-    holder_task_id: Optional[str]
-    #: The holder in words, when it is no task (a lock, a foreign client: see holders.py).
-    holder: Optional[str] = None
+#: A duplicate strategy: what a call that found its key held gets.
+Strategy = Callable[[Duplicate], Claimed]
 
 
-@dataclass(frozen=True)
-class Redelivered:
-    """A copy of a call whose own task id holds the key: the broker delivered its
-    message again while the first delivery still runs (``acks_late`` past the
-    visibility timeout). It is no duplicate: it must not run, nor leave a result."""
-
-    key: str
-    countdown: float
+def skip(duplicate: Duplicate) -> Claimed:
+    """End at once without running, naming the holder."""
+    return Skipped(duplicate.key, duplicate.holder, duplicate.described)
 
 
-@dataclass(frozen=True)
-class Ended:
-    """A copy of a call whose attempt already ended (its finished mark, read as it
-    tried the key, says so: see :func:`marks.ended`): the broker delivered its message
-    again after the end (an acknowledgement lost with its worker or its connection). It
-    is no duplicate: it must not join a pending rerun, wait, run, nor leave a result.
-    A grant it took has gone back."""
-
-    key: str
+def requeue(duplicate: Duplicate) -> Claimed:
+    """Go back to the queue and try again after a backoff."""
+    return duplicate.requeued()
 
 
-Outcome = Union[Run, Skip, Coalesce, Requeue, Redelivered, Ended]
+def wait(duplicate: Duplicate) -> Claimed:
+    """Stand in the key's line up to ``wait_timeout``, then go back to the queue (never
+    dropped): the requeued message joins the back of the line when it comes back."""
+    d = duplicate
+    lease = wait_for(d.settings, d.backend, d.key, d.name, d.task_id)
+    return d.requeued() if lease is None else d.granted(lease)
+
+
+def rerun(duplicate: Duplicate) -> Claimed:
+    """Join the key's pending rerun, which runs once after the holder with the latest
+    arguments; the first duplicate becomes the pending rerun and waits like ``wait``."""
+    d = duplicate
+    if not d.task_id:
+        return wait(d)  # a direct call cannot be run again for others: it waits
+    settings = d.settings
+    pending = marks.join_rerun(
+        d.backend,
+        d.key,
+        d.task_id,
+        d.arguments or "",
+        _pending_ttl(settings),
+        latest=settings.rerun_args == "latest",
+        alive_for=settings.lease_ttl,
+    )
+    if pending != d.task_id:
+        return Coalesced(d.key, pending)
+    # This call is the pending rerun: it waits for the key like "wait" does, and stays
+    # pending while it stands in the key's line.
+    lease = wait_for(settings, d.backend, d.key, d.name, d.task_id)
+    if lease is not None:
+        return d.granted(lease)
+    requeued = d.requeued()
+    # Out of the line while its message is away: it stays pending for as long as
+    # coming back takes, and a duplicate takes its place if it never does.
+    away = requeued.countdown + settings.lease_ttl
+    pending = marks.rerun_away(d.backend, d.key, d.task_id, away, _pending_ttl(settings))
+    if pending not in (None, d.task_id):
+        return Coalesced(d.key, pending)  # replaced while it waited: the newer one runs
+    return requeued
+
+
+#: The duplicate strategies by ``on_duplicate`` name (see ``config.OnDuplicate``).
+STRATEGIES: dict[str, Strategy] = {
+    "skip": skip,
+    "requeue": requeue,
+    "wait": wait,
+    "rerun": rerun,
+}
+
+
+def find_strategy(name: str) -> Strategy:
+    """The strategy called ``name``; ConfigurationError naming the choices if none is."""
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise ConfigurationError(
+            f"exclusive_on_duplicate={name!r} names no duplicate strategy; use one of "
+            f"{', '.join(repr(n) for n in STRATEGIES)}."
+        ) from None
 
 
 @feed.reported
@@ -104,14 +178,16 @@ def claim(
     redelivery: bool = False,
     retries: int = 0,
     resumed: bool = False,
-) -> Outcome:
-    """Take ``key`` or decide what the duplicate gets under ``settings.on_duplicate``.
+    noun: str = "task",
+) -> Claimed:
+    """Take ``key`` or decide what the duplicate gets under ``settings.on_duplicate``
+    (:data:`STRATEGIES`), or under ``priority``: it waits in line ahead of the rest.
 
     ``arguments`` (JSON) is what a ``rerun`` duplicate hands to the pending rerun.
     With ``redelivery`` (a broker may deliver this call's message twice), a call whose
-    own ``task_id`` holds the key is :class:`Redelivered`, and one whose attempt
-    ``retries`` already ended is :class:`Ended` (see :func:`marks.ended`), whatever the
-    policy.
+    own ``task_id`` holds the key is :class:`~.outcomes.SetAside`, and one whose attempt
+    ``retries`` already ended is :class:`~.outcomes.Dropped` (see :func:`marks.ended`),
+    whatever the policy.
     Raises :class:`BackendUnavailable` if the store does not answer; what happens then
     (``on_backend_error``) is the integration's call, since only it can requeue.
     """
@@ -120,14 +196,7 @@ def claim(
         # Whether this attempt already ran to the end, read as the key is tried.
         read = MarkRead(marks.finished_key(key, task_id), marks.DONE)
         lease = acquire(
-            backend,
-            key,
-            settings.lease_ttl,
-            settings.limit,
-            name,
-            task_id,
-            claimant=task_id,
-            read=read,
+            backend, key, settings.lease_ttl, settings.limit, name, task_id, None, task_id, read
         )
         finished, finished_read = read.value, lease is not None
     else:
@@ -138,67 +207,48 @@ def claim(
             if copy and _held_by(backend, key, task_id, lease):
                 # A semaphore had a slot left for the copy: give it back.
                 lease.release()
-                return Redelivered(key, requeue_delay(settings, requeues))
+                return SetAside(key, requeue_delay(settings, requeues), requeues + 1)
         run = _run(settings, backend, key, task_id, lease)
         if finished_read:
             run = replace(run, finished_read=True, finished=finished)
         return _unless_ended(backend, run, task_id, retries, resumed, redelivery)
 
     if redelivery and marks.ended(finished, retries, resumed):
-        return Ended(key)  # even where a later attempt (a retry) holds the key
+        return Dropped(key)  # even where a later attempt (a retry) holds the key
     # Whom this call yields to: a holder, or else whoever is first in line for the key.
     infos = backend.holders_of(key)
-    holders = [info.task_id for info in infos if info.task_id]
-    if redelivery and task_id in holders:
-        return Redelivered(key, requeue_delay(settings, requeues))
-    holder = next(iter(holders), None) or next(iter(marks.line_of(backend, key)), None)
-    described = None if holders else described_holder(infos)
+    holding = [info.task_id for info in infos if info.task_id]
+    if redelivery and task_id in holding:
+        return SetAside(key, requeue_delay(settings, requeues), requeues + 1)
+    holder = next(iter(holding), None) or next(iter(marks.line_of(backend, key)), None)
+    described = None if holding else holders.first_described(infos)
+    duplicate = Duplicate(
+        settings,
+        backend,
+        key,
+        name,
+        task_id,
+        requeues,
+        arguments,
+        holder,
+        described,
+        noun,
+        redelivery,
+        retries,
+        resumed,
+    )
     if settings.priority and task_id:
         _detected(name, key, task_id, "priority", holder)
-        countdown = requeue_delay(settings, requeues)
+        requeued = duplicate.requeued()
         # If it has to be requeued, it keeps its turn while the message is away; the
         # turn lapses if the task never comes back.
-        away = countdown + settings.lease_ttl
+        away = requeued.countdown + settings.lease_ttl
         lease = wait_for(settings, backend, key, name, task_id, priority=True, keep_place=away)
         if lease is not None:
-            return _unless_ended(backend, Run(lease), task_id, retries, resumed, redelivery)
-        return Requeue(key, countdown, holder, described)
-
-    policy = settings.on_duplicate
-    _detected(name, key, task_id, policy, holder)
-    rerun = policy == "rerun" and bool(task_id)
-    if rerun:
-        pending = marks.join_rerun(
-            backend,
-            key,
-            task_id,
-            arguments or "",
-            _pending_ttl(settings),
-            latest=settings.rerun_args == "latest",
-            alive_for=settings.lease_ttl,
-        )
-        if pending != task_id:
-            return Coalesce(key, pending)
-        # This call is the pending rerun: it waits for the key like "wait" does, and
-        # stays pending while it stands in the key's line.
-    if policy in ("wait", "rerun"):
-        lease = wait_for(settings, backend, key, name, task_id)
-        if lease is not None:
-            run = _run(settings, backend, key, task_id, lease)
-            return _unless_ended(backend, run, task_id, retries, resumed, redelivery)
-        # Waited long enough: fall back to requeue, never drop. The requeued message
-        # joins the back of the line when it comes back.
-    if policy == "skip":
-        return Skip(key, holder, described)
-    countdown = requeue_delay(settings, requeues)
-    if rerun:
-        # Out of the line while its message is away: it stays pending for as long as
-        # coming back takes, and a duplicate takes its place if it never does.
-        away = countdown + settings.lease_ttl
-        pending = marks.rerun_away(backend, key, task_id, away, _pending_ttl(settings))
-        if pending not in (None, task_id):
-            return Coalesce(key, pending)  # replaced while it waited: the newer one runs
-    return Requeue(key, countdown, holder, described)
+            return _unless_ended(backend, Granted(lease), task_id, retries, resumed, redelivery)
+        return requeued
+    _detected(name, key, task_id, settings.on_duplicate, holder)
+    return find_strategy(settings.on_duplicate)(duplicate)
 
 
 def wait_for(
@@ -248,14 +298,6 @@ def wait_for(
             pause = SPIN_PAUSE
 
 
-def holder_of(backend: Backend, key: str) -> Optional[str]:
-    """The task id of a current holder of ``key``, if the store still has one."""
-    for info in backend.holders_of(key):
-        if info.task_id:
-            return info.task_id
-    return None
-
-
 def _held_by(backend: Backend, key: str, task_id: str, lease: HeldLease) -> bool:
     """Whether another lease on ``key`` than ``lease`` belongs to ``task_id``."""
     return any(
@@ -272,26 +314,6 @@ def requeue_delay(settings: Settings, requeues: int) -> float:
     """
     ceiling = min(settings.requeue_max_delay, settings.requeue_delay * 2 ** min(requeues, 30))
     return ceiling / 2 + random.uniform(0, ceiling / 2)
-
-
-def encode_call(name: str, args, kwargs) -> str:
-    """A call's arguments as JSON, for a pending rerun to run with.
-
-    kombu's JSON, as Celery's messages use: dates, UUIDs and decimals come back as
-    they went in.
-    """
-    try:
-        return dumps({"args": list(args), "kwargs": dict(kwargs)})
-    except TypeError as exc:
-        raise ExclusiveError(
-            f"{name}: on_duplicate='rerun' keeps the latest duplicate's arguments in the "
-            f"lease store as JSON, and these are not serializable: {exc}."
-        ) from None
-
-
-def decode_call(arguments: str) -> tuple[tuple, dict]:
-    call = loads(arguments)
-    return tuple(call["args"]), call["kwargs"]
 
 
 def _try(
@@ -315,23 +337,23 @@ def _run(
     key: str,
     task_id: Optional[str],
     lease: HeldLease,
-) -> Run:
+) -> Granted:
     """Run under ``lease``, with a pending rerun's arguments if there is one (if taking
     them fails, the lease goes back)."""
     if settings.on_duplicate == "rerun" and task_id:
         with lease.released_on_error():
-            return Run(lease, marks.take_rerun(backend, key, task_id))
-    return Run(lease)
+            return Granted(lease, marks.take_rerun(backend, key, task_id))
+    return Granted(lease)
 
 
 def _unless_ended(
     backend: Backend,
-    run: Run,
+    run: Granted,
     task_id: Optional[str],
     retries: int,
     resumed: bool,
     redelivery: bool,
-) -> Union[Run, Ended]:
+) -> Union[Granted, Dropped]:
     """With ``redelivery``: a grant taken by a copy of a call whose attempt already
     ended goes back, and the copy is :class:`Ended`. Otherwise ``run`` goes on,
     carrying the call's finished mark as read with the grant (read now if it was won
@@ -344,7 +366,7 @@ def _unless_ended(
             finished = marks.finished_mark(backend, lease.key, task_id)
     if marks.ended(finished, retries, resumed):
         lease.release()
-        return Ended(lease.key)
+        return Dropped(lease.key)
     return replace(run, finished_read=True, finished=finished)
 
 

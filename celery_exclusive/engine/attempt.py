@@ -5,8 +5,8 @@ same way, here: take the key (or find what a duplicate gets under its policy), r
 body under the lease, and end the attempt (record that it ended where its message may
 be delivered again, give the lease back). The host tells the engine what it can do
 (:class:`Host`: send the call again? may its message come twice?) and gets back ONE
-:class:`~celery_exclusive.engine.outcomes.Outcome`, which it carries out in its own
-terms. Nothing here knows Celery or RQ.
+:class:`~celery_exclusive.core.outcomes.Outcome`, which it carries out in its own
+terms (:meth:`~celery_exclusive.core.outcomes.Outcome.carry_out`). Nothing here knows Celery or RQ.
 
     call = Call(name, task_id, key, settings, backend, args, kwargs)
     outcome = run(call, Host(can_requeue=True), body)
@@ -25,13 +25,13 @@ from contextvars import ContextVar, Token
 from typing import Any, Callable, Optional, Union
 
 from ..backends import Backend, End, FinalWrite, MarkSwap
-from ..core import marks, policies, terminate
+from ..core import marks, outcomes, policies, terminate
 from ..core.config import Settings
-from ..core.holders import NOBODY
 from ..core.lease import HeldLease, UnlockedLease
+from ..core.outcomes import Outcome
+from ..core.policies import Granted
 from ..errors import BackendUnavailable, ExclusiveError, LeaseLost
-from . import outcomes
-from .outcomes import Outcome
+from .arguments import decode_call, encode_call
 
 logger = logging.getLogger("celery_exclusive")
 
@@ -203,16 +203,22 @@ class Attempt:
 
     def run(self, body: Body) -> Outcome:
         granted = self.claim()
+        if isinstance(granted, Unlocked):
+            return self._run_unlocked(granted.lease, body)
         if not isinstance(granted, Granted):
-            if isinstance(granted, Unlocked):
-                return self._run_unlocked(granted.lease, body)
             return granted
         self.arguments = granted.arguments
+        call = self.call
+        args, kwargs = (
+            (call.args, call.kwargs)
+            if granted.arguments is None
+            else decode_call(granted.arguments)
+        )
         holding = _Holding(self, granted.lease, granted.arguments)
         try:
             try:
                 with holding:
-                    result = body(granted.args, granted.kwargs)
+                    result = body(args, kwargs)
                     holding.returned(result)
             except BaseException as exc:
                 holding.close(exc)  # what an exit cut short by an interrupt left undone
@@ -243,8 +249,8 @@ class Attempt:
                     # joins without replacing them.
                     settings = dataclasses.replace(settings, rerun_args="first")
                 else:
-                    arguments = policies.encode_call(call.name, call.args, call.kwargs)
-            outcome = policies.claim(
+                    arguments = encode_call(call.name, call.args, call.kwargs)
+            claimed = policies.claim(
                 settings,
                 call.backend,
                 call.key,
@@ -255,46 +261,40 @@ class Attempt:
                 redelivery=host.redelivery and bool(call.task_id),
                 retries=call.retries,
                 resumed=call.resumed,
+                noun=host.noun,
             )
-            if isinstance(outcome, policies.Run) and outcome.finished_read:
-                # What the end of the attempt swaps the finished mark from.
-                self._finished_mark, self._finished_read = outcome.finished, True
-            if isinstance(outcome, policies.Run) and rerun and host.resumable:
-                outcome = self._keep_resume(outcome)
+            if isinstance(claimed, Granted):
+                if claimed.finished_read:
+                    # What the end of the attempt swaps the finished mark from.
+                    self._finished_mark, self._finished_read = claimed.finished, True
+                if rerun and host.resumable:
+                    claimed = self._keep_resume(claimed)
+                return claimed
         except BackendUnavailable as exc:
             return self._without_store(exc)
-
-        if isinstance(outcome, policies.Redelivered):
-            return outcomes.SetAside(call.key, outcome.countdown, call.requeues + 1)
-        if isinstance(outcome, policies.Ended):
-            # The arguments kept for the task id, if any, are a later attempt's (a
-            # retry's, running now): the copy's own attempt dropped its own.
-            return outcomes.Dropped(call.key)
-        if isinstance(outcome, (outcomes.Skipped, outcomes.Coalesced)):
+        if isinstance(claimed, outcomes.Requeue):
+            # A duplicate going back to the queue, if it has one and may go once more.
+            if host.can_requeue:
+                return self._requeue(claimed)
+            return self._wait_inline(claimed.reason, claimed.holder_task_id)
+        if isinstance(claimed, (outcomes.Skipped, outcomes.Coalesced)):
             self._drop_resume()  # the call ends here: what it resumed runs elsewhere
             self._record_end_without_body()
-            return outcome
-        if isinstance(outcome, policies.Requeue):
-            reason = "held by " + describe_holder(outcome.holder_task_id, outcome.holder, host.noun)
-            if host.can_requeue:
-                return self._requeue(outcome.countdown, reason, "held", outcome.holder_task_id)
-            return self._wait_inline(reason, outcome.holder_task_id)
-        if outcome.arguments:
-            args, kwargs = policies.decode_call(outcome.arguments)
-            return Granted(outcome.lease, args, kwargs, outcome.arguments)
-        return Granted(outcome.lease, call.args, call.kwargs)
+        # SetAside and Dropped leave the arguments kept for the task id, if any: they are
+        # its first delivery's, or a later attempt's (a retry's, running now).
+        return claimed
 
-    def _requeue(
-        self, countdown: float, reason: str, cause: str, holder: Optional[str] = None
-    ) -> Union[outcomes.Requeue, outcomes.GaveUp]:
-        """Send the call again after ``countdown``: unless it was requeued
+    def _requeue(self, requeue: outcomes.Requeue) -> Union[outcomes.Requeue, outcomes.GaveUp]:
+        """Send the call again as ``requeue`` says: unless it was requeued
         ``requeue_max_retries`` times already."""
         requeues, limit = self.call.requeues, self.call.settings.requeue_max_retries
         if limit is not None and requeues >= limit:
             self._drop_resume()
             self._record_end_without_body()
-            return outcomes.GaveUp(self.call.key, requeues, reason, cause, holder)
-        return outcomes.Requeue(self.call.key, countdown, reason, cause, requeues + 1, holder)
+            return outcomes.GaveUp(
+                requeue.key, requeues, requeue.reason, requeue.cause, requeue.holder_task_id
+            )
+        return requeue
 
     def _wait_inline(self, reason: str, holder: Optional[str]) -> Union[outcomes.Waited, Granted]:
         """No queue to go back to: wait in the key's line instead, up to ``wait_timeout``."""
@@ -302,7 +302,7 @@ class Attempt:
         lease = policies.wait_for(call.settings, call.backend, call.key, call.name, call.task_id)
         if lease is None:
             return outcomes.Waited(call.key, reason, call.settings.wait_timeout, holder)
-        return Granted(lease, call.args, call.kwargs)
+        return Granted(lease)
 
     def _without_store(self, exc: BackendUnavailable) -> Union[Outcome, Unlocked]:
         """The store did not answer: run unlocked, requeue, or fail, as
@@ -318,7 +318,10 @@ class Attempt:
             return outcomes.Unanswered(call.key, exc)
         logger.warning("%s -- requeued (%s='requeue')", message, setting)
         countdown = policies.requeue_delay(call.settings, call.requeues)
-        return self._requeue(countdown, "the lease store did not answer", "unanswered")
+        reason = "the lease store did not answer"
+        return self._requeue(
+            outcomes.Requeue(call.key, countdown, reason, "unanswered", call.requeues + 1)
+        )
 
     def _resumed_arguments(self) -> Optional[str]:
         """Where the call's message may come again (:attr:`Host.resumable`): the arguments
@@ -331,7 +334,7 @@ class Attempt:
         self._resume = marks.resume_arguments(call.backend, call.key, call.task_id)
         return self._resume
 
-    def _keep_resume(self, outcome: policies.Run) -> policies.Run:
+    def _keep_resume(self, outcome: Granted) -> Granted:
         """The call took its key as the pending rerun (or resumes a run that did): keep
         the arguments it runs with for its task id until its attempt ends, for a
         delivery of its message that comes back before then (its process lost, its
@@ -375,7 +378,7 @@ class Attempt:
         args, kwargs = self.call.args, self.call.kwargs
         if self._resume is not None:
             self.arguments = self._resume
-            args, kwargs = policies.decode_call(self._resume)
+            args, kwargs = decode_call(self._resume)
         with entered(self):
             return outcomes.Ran(body(args, kwargs))
 
@@ -533,7 +536,7 @@ def owed_rerun(backend: Backend, key: str, task_id: Optional[str]) -> Optional[t
     if not task_id:
         return None
     arguments = marks.drop_dead_rerun(backend, key, task_id)
-    return None if arguments is None else policies.decode_call(arguments)
+    return None if arguments is None else decode_call(arguments)
 
 
 def rerun_of_killed(
@@ -560,7 +563,7 @@ def _resumed(requeue: outcomes.Requeue, arguments: Optional[str]) -> outcomes.Re
     body did to the objects it was handed)."""
     if arguments is None:
         return requeue
-    args, kwargs = policies.decode_call(arguments)
+    args, kwargs = decode_call(arguments)
     return dataclasses.replace(requeue, args=args, kwargs=kwargs)
 
 
@@ -699,27 +702,7 @@ class _Holding:
 
 
 @dataclasses.dataclass(frozen=True)
-class Granted:
-    """The key was taken: the body runs under ``lease`` with these arguments."""
-
-    lease: HeldLease
-    args: tuple
-    kwargs: dict
-    #: When the call runs as the pending rerun of its key: the rerun's arguments as
-    #: stored (JSON), which ``args`` and ``kwargs`` are; a call stopped by the loss of
-    #: its lease is sent again with them. None: the call's own.
-    arguments: Optional[str] = None
-
-
-@dataclasses.dataclass(frozen=True)
 class Unlocked:
     """The store did not answer and ``on_backend_error="run"``: run under ``lease``."""
 
     lease: UnlockedLease
-
-
-def describe_holder(
-    task_id: Optional[str], holder: Optional[str] = None, noun: str = "task"
-) -> str:
-    """Whom a duplicate yielded to, in words."""
-    return f"{noun} {task_id}" if task_id else holder or NOBODY

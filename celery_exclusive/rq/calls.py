@@ -30,11 +30,12 @@ import inspect
 import logging
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
-from typing import Any, Callable, Optional, TypeVar, Union, overload
+from typing import Any, Callable, NoReturn, Optional, TypeVar, Union, overload
 
 from rq import get_current_job
 
 from ..backends import backend_for_url
+from ..core import holders, outcomes
 from ..core.config import (
     OnBackendError,
     OnDuplicate,
@@ -45,8 +46,9 @@ from ..core.config import (
 from ..core.keys import KeySpec, build_key, check_key_spec
 from ..core.lease import HeldLease, UnlockedLease
 from ..core.lock import ExclusiveLock
-from ..engine import attempt, outcomes
-from ..errors import ConfigurationError, DuplicateSkipped
+from ..core.policies import Granted
+from ..engine import attempt
+from ..errors import ConfigurationError, DuplicateCoalesced, DuplicateSkipped
 from . import checks
 from . import options as rq_options
 
@@ -234,29 +236,71 @@ def _own_lease(
     key = settings.key_prefix + build_key(name, target, settings.key, args, kwargs)
     the_call = attempt.Call(name, None, key, settings, backend_for_url(settings.backend_url))
     direct = attempt.Attempt(the_call, DIRECT)
-    granted = direct.claim()
-    if isinstance(granted, outcomes.Unanswered):
-        call = f"{name}, called directly,"
-        memory = "@exclusive(backend_url='memory://') or EXCLUSIVE_BACKEND_URL=memory://"
-        raise unanswered_in_process(call, key, granted.error, memory) from None
-    if isinstance(granted, outcomes.Skipped):
-        holder = granted.holder_task_id
-        raise DuplicateSkipped(
-            f"{name} (called directly) was skipped: its key {key!r} is held by "
-            f"{'job ' + holder if holder else granted.holder or 'another call'}.",
-            key,
-            holder,
-        )
-    if isinstance(granted, outcomes.Waited):
-        raise DuplicateSkipped(
-            f"{name} (called directly) could not run: its key {key!r} stayed held for "
-            f"wait_timeout={settings.wait_timeout:g}s.",
-            key,
-            None,
-        )
-    assert isinstance(granted, (attempt.Granted, attempt.Unlocked)), granted
-    with direct.holding(granted.lease):
+    claimed = direct.claim()
+    if not isinstance(claimed, (Granted, attempt.Unlocked)):
+        claimed.carry_out(_DirectCall(name, key, settings.wait_timeout))  # raises
+        return
+    with direct.holding(claimed.lease):
         yield
+
+
+class _DirectCall(outcomes.OutcomeHandler):
+    """What a function marked ``@exclusive`` and called directly gets when it cannot
+    run: the error its caller sees. It has no queue to go back to, and its call is never
+    delivered twice, so it only ever meets a held key (skipped, or waited in vain) or a
+    store that does not answer; each other outcome still ends it as its name says."""
+
+    def __init__(self, name: str, key: str, wait_timeout: float) -> None:
+        self.name = name
+        self.call = f"{name} (called directly)"
+        self.key = key
+        self.wait_timeout = wait_timeout
+
+    def _not_run(self, why: str, holder: Optional[str] = None) -> DuplicateSkipped:
+        return DuplicateSkipped(f"{self.call} {why}", self.key, holder)
+
+    def handle_ran(self, outcome: outcomes.Ran) -> Any:
+        return outcome.result
+
+    def handle_skipped(self, outcome: outcomes.Skipped) -> NoReturn:
+        holder = holders.named(outcome.holder_task_id, outcome.holder or "another call", "job")
+        raise self._not_run(
+            f"was skipped: its key {self.key!r} is held by {holder}.", outcome.holder_task_id
+        )
+
+    def handle_coalesced(self, outcome: outcomes.Coalesced) -> NoReturn:
+        raise DuplicateCoalesced(
+            f"{self.call} joined the pending rerun of {self.key!r}, job "
+            f"{outcome.rerun_task_id}, which runs once after the current holder.",
+            self.key,
+            outcome.rerun_task_id,
+        )
+
+    def handle_requeue(self, outcome: outcomes.Requeue) -> NoReturn:
+        raise self._not_run(f"could not run: its key {self.key!r} is {outcome.reason}.")
+
+    def handle_gave_up(self, outcome: outcomes.GaveUp) -> NoReturn:
+        raise self._not_run(f"gave up: its key {self.key!r} stayed {outcome.reason}.")
+
+    def handle_waited(self, outcome: outcomes.Waited) -> NoReturn:
+        raise self._not_run(
+            f"could not run: its key {self.key!r} stayed held for "
+            f"wait_timeout={self.wait_timeout:g}s."
+        )
+
+    def handle_unanswered(self, outcome: outcomes.Unanswered) -> NoReturn:
+        memory = "@exclusive(backend_url='memory://') or EXCLUSIVE_BACKEND_URL=memory://"
+        call = f"{self.name}, called directly,"
+        raise unanswered_in_process(call, self.key, outcome.error, memory) from None
+
+    def handle_set_aside(self, outcome: outcomes.SetAside) -> NoReturn:
+        raise self._not_run(f"could not run: another delivery of it holds {self.key!r}.")
+
+    def handle_dropped(self, outcome: outcomes.Dropped) -> NoReturn:
+        raise self._not_run(f"did not run: it already ran under {self.key!r}.")
+
+    def handle_redelivered(self, outcome: outcomes.Redelivered) -> NoReturn:
+        raise outcome.error
 
 
 def _unbound(function: Any) -> Any:

@@ -40,10 +40,10 @@ from rq.scheduler import RQScheduler
 from rq.worker import Worker
 
 from ..backends import backend_for_url
-from ..core import config, kill_notes, reaper
+from ..core import config, kill_notes, outcomes, reaper
 from ..core.keys import build_key
 from ..core.lease import HeldLease
-from ..engine import attempt, outcomes
+from ..engine import attempt
 from ..errors import BackendUnavailable, ExclusiveKeyError
 from .calls import admitted, exclusive_options
 from .options import job_timeout, settings_for, within_timeout
@@ -124,7 +124,7 @@ class ExclusiveJob(Job):
             noun="job",
             setting_prefix="",
         )
-        return self._carry_out(settings, attempt.run(the_call, host, self._run_body))
+        return attempt.run(the_call, host, self._run_body).carry_out(JobOutcomes(self, settings))
 
     def _run_body(self, args: tuple, kwargs: dict) -> Any:
         """The body, under the lease the engine took: the function, let through once."""
@@ -139,40 +139,6 @@ class ExclusiveJob(Job):
             self._exclusive_record("ran_without_lease", lease.key, reason=_why(lease))
         with admitted(self.func):
             return super().perform()
-
-    def _carry_out(self, settings: config.Settings, outcome: outcomes.Outcome) -> Any:
-        """The engine's outcome, in RQ's terms (see the module docstring)."""
-        if isinstance(outcome, outcomes.Ran):
-            return outcome.result
-        key = outcome.key
-        if isinstance(outcome, outcomes.Skipped):
-            return self._skip(key, outcome.holder_task_id or outcome.holder)
-        if isinstance(outcome, outcomes.Coalesced):
-            logger.info(
-                "duplicate coalesced key=%s job_id=%s rerun=%s", key, self.id, outcome.rerun_task_id
-            )
-            return self._end_unrun("coalesced", key, rerun=outcome.rerun_task_id)
-        if isinstance(outcome, outcomes.Requeue):
-            return self._requeue(settings, outcome)
-        if isinstance(outcome, outcomes.GaveUp):
-            logger.warning(
-                "%s gave up key=%s job_id=%s after %d requeues",
-                "duplicate" if outcome.cause == "held" else "job",
-                key,
-                self.id,
-                outcome.requeues,
-            )
-            reason = f"gave up after {outcome.requeues} requeues: {outcome.reason}"
-            return self._skip(key, outcome.holder_task_id, reason=reason)
-        if isinstance(outcome, outcomes.Waited):
-            waited = (
-                f"{outcome.reason}; waited wait_timeout={outcome.wait_timeout:g}s, synchronously"
-            )
-            return self._skip(key, outcome.holder_task_id, reason=waited)
-        if isinstance(outcome, outcomes.Unanswered):
-            message = f"{self._exclusive_label}: cannot take the lease on {key!r}: {outcome.error}"
-            raise BackendUnavailable(message, outcome.error.url) from None
-        raise TypeError(f"unknown outcome {outcome!r}")  # pragma: no cover - a closed set
 
     # --- how the worker ends the attempt ------------------------------------------------
 
@@ -431,3 +397,64 @@ def now() -> datetime:
 def _why(lease: Any) -> str:
     """Why a call runs without a lease (the store's error), for its record."""
     return str(getattr(lease, "reason", ""))
+
+
+class JobOutcomes(outcomes.OutcomeHandler):
+    """The engine's outcome of one job, in RQ's terms (see the module docstring): what
+    the job returns, ending it ``finished``, ``canceled`` with its record, or scheduled
+    again."""
+
+    def __init__(self, job: ExclusiveJob, settings: config.Settings) -> None:
+        self.job = job
+        self.settings = settings
+
+    def handle_ran(self, outcome: outcomes.Ran) -> Any:
+        return outcome.result
+
+    def handle_skipped(self, outcome: outcomes.Skipped) -> Any:
+        return self.job._skip(outcome.key, outcome.holder_task_id or outcome.holder)
+
+    def handle_coalesced(self, outcome: outcomes.Coalesced) -> Any:
+        key, rerun = outcome.key, outcome.rerun_task_id
+        logger.info("duplicate coalesced key=%s job_id=%s rerun=%s", key, self.job.id, rerun)
+        return self.job._end_unrun("coalesced", key, rerun=rerun)
+
+    def handle_requeue(self, outcome: outcomes.Requeue) -> Any:
+        return self.job._requeue(self.settings, outcome)
+
+    def handle_gave_up(self, outcome: outcomes.GaveUp) -> Any:
+        logger.warning(
+            "%s gave up key=%s job_id=%s after %d requeues",
+            "duplicate" if outcome.cause == "held" else "job",
+            outcome.key,
+            self.job.id,
+            outcome.requeues,
+        )
+        reason = f"gave up after {outcome.requeues} requeues: {outcome.reason}"
+        return self.job._skip(outcome.key, outcome.holder_task_id, reason=reason)
+
+    def handle_waited(self, outcome: outcomes.Waited) -> Any:
+        waited = f"{outcome.reason}; waited wait_timeout={outcome.wait_timeout:g}s, synchronously"
+        return self.job._skip(outcome.key, outcome.holder_task_id, reason=waited)
+
+    def handle_unanswered(self, outcome: outcomes.Unanswered) -> Any:
+        message = (
+            f"{self.job._exclusive_label}: cannot take the lease on {outcome.key!r}: "
+            f"{outcome.error}"
+        )
+        raise BackendUnavailable(message, outcome.error.url) from None
+
+    # An RQ job's message is never delivered twice (its host says so: no redelivery), so
+    # the engine gives these none; each still ends the job as its name says.
+
+    def handle_set_aside(self, outcome: outcomes.SetAside) -> Any:
+        requeue = outcomes.Requeue(
+            outcome.key, outcome.countdown, "its first run still runs", "held", outcome.requeues
+        )
+        return self.job._requeue(self.settings, requeue)
+
+    def handle_dropped(self, outcome: outcomes.Dropped) -> Any:
+        return self.job._end_unrun("dropped", outcome.key)
+
+    def handle_redelivered(self, outcome: outcomes.Redelivered) -> Any:
+        raise outcome.error

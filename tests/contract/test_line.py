@@ -15,7 +15,7 @@ import pytest
 
 from celery_exclusive.backends import _load
 from celery_exclusive.backends.memory import MemoryBackend
-from celery_exclusive.core import marks, policies
+from celery_exclusive.core import marks, outcomes, policies
 from celery_exclusive.core.config import Settings
 from celery_exclusive.core.lease import acquire
 from tests.support.cluster import wait_until
@@ -154,11 +154,11 @@ def test_a_requeued_priority_caller_keeps_its_turn_while_its_message_is_away(bac
     )
     holder = acquire(backend, KEY, settings.lease_ttl)
     outcome = policies.claim(settings, backend, KEY, "test", "nightly-1")
-    assert isinstance(outcome, policies.Requeue)
+    assert isinstance(outcome, outcomes.Requeue)
     holder.release()
     assert backend.try_acquire(KEY, uuid.uuid4().hex, settings.lease_ttl) is None
     back = policies.claim(settings, backend, KEY, "test", "nightly-1")
-    assert isinstance(back, policies.Run)
+    assert isinstance(back, policies.Granted)
     back.lease.release()
 
 
@@ -173,5 +173,5 @@ def test_the_pending_rerun_waits_in_the_line(backend_case, backend):
     assert wait_until(lambda: marks.line_of(backend, KEY) == ["rerun-1"], timeout=10)
     holder.release()
     pending.join(timeout=30)
-    assert isinstance(claimed[0], policies.Run)
+    assert isinstance(claimed[0], policies.Granted)
     claimed[0].lease.release()

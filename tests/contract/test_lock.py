@@ -15,7 +15,7 @@ import pytest
 
 from celery_exclusive import ExclusiveLock, LeaseLost, LockHeld, backend_for_url, signals
 from celery_exclusive.backends import _instances
-from celery_exclusive.core import policies
+from celery_exclusive.core import outcomes, policies
 from celery_exclusive.core.config import Settings
 from celery_exclusive.core.heartbeat import heartbeat
 
@@ -43,7 +43,7 @@ def lock(url: str, ttl: float = 10.0, **options) -> ExclusiveLock:
 def test_a_lock_held_makes_a_task_call_skip_and_name_the_lock(store):
     with lock(store):
         outcome = task_call(store, "task-1")
-    assert isinstance(outcome, policies.Skip)
+    assert isinstance(outcome, outcomes.Skipped)
     assert outcome.holder_task_id is None
     assert outcome.holder == (
         f"an exclusive lock of billing.settle in process {os.getpid()} on {os.uname().nodename}"
@@ -64,7 +64,7 @@ def test_the_key_is_free_again_once_the_block_ends(store):
     with lock(store) as lease:
         token = lease.fencing_token
     run = task_call(store, "task-1")
-    assert isinstance(run, policies.Run)
+    assert isinstance(run, policies.Granted)
     assert run.lease.fencing_token > token
     run.lease.release()
 
@@ -96,9 +96,9 @@ def test_async_with_holds_off_a_task_call_and_gives_the_key_back(store):
         return lease, during
 
     lease, during = asyncio.run(block())
-    assert isinstance(during, policies.Skip)
+    assert isinstance(during, outcomes.Skipped)
     after = task_call(store, "task-2")
-    assert isinstance(after, policies.Run)
+    assert isinstance(after, policies.Granted)
     assert after.lease.fencing_token > lease.fencing_token
     after.lease.release()
 
@@ -108,7 +108,7 @@ def test_the_heartbeat_keeps_a_block_s_lease_past_its_ttl(store, backend_case):
     with lock(store, ttl=ttl) as lease:
         time.sleep(ttl * 2.5)
         assert lease.held
-        assert isinstance(task_call(store, "task-1"), policies.Skip)
+        assert isinstance(task_call(store, "task-1"), outcomes.Skipped)
 
 
 def test_a_lease_lost_inside_a_block_is_signalled_and_raised_as_it_exits(store):

@@ -10,7 +10,8 @@ import tempfile
 
 import pytest
 
-from celery_exclusive.core import kill_notes, policies
+from celery_exclusive.core import kill_notes
+from celery_exclusive.engine.arguments import decode_call, encode_call
 
 #: A child that leaves a note for call ``argv[1]`` (with the arguments ``argv[2]``, if
 #: given), as terminate does before SIGKILL.
@@ -42,11 +43,11 @@ def test_the_parent_takes_the_note_of_its_killed_child_once(tmp_notes):
 
 
 def test_the_note_of_a_pending_rerun_carries_the_arguments_its_body_ran_with(tmp_notes):
-    arguments = policies.encode_call("sync", ("calendar", 3), {"note": "two\nlines"})
+    arguments = encode_call("sync", ("calendar", 3), {"note": "two\nlines"})
     pid = leave_note("call-1", arguments=arguments)
     note = kill_notes.take_kill_note("call-1", pid)
     assert note is not None and note.arguments == arguments
-    assert policies.decode_call(note.arguments) == (("calendar", 3), {"note": "two\nlines"})
+    assert decode_call(note.arguments) == (("calendar", 3), {"note": "two\nlines"})
 
 
 def test_a_call_that_left_no_note_was_not_killed_for_its_lease(tmp_notes):

@@ -19,11 +19,12 @@ from pathlib import Path
 import pytest
 
 from celery_exclusive import BackendUnavailable, LeaseLost, backend_for_url
-from celery_exclusive.core import kill_notes, marks, policies
+from celery_exclusive.core import kill_notes, marks, outcomes
 from celery_exclusive.core.config import Settings
 from celery_exclusive.core.lease import HeldLease, UnlockedLease
 from celery_exclusive.core.lock import ExclusiveLock
-from celery_exclusive.engine import attempt, outcomes
+from celery_exclusive.engine import attempt
+from celery_exclusive.engine.arguments import encode_call
 
 ROOT = Path(__file__).resolve().parents[2]
 DEAD_STORE = "redis://127.0.0.1:1/0"
@@ -123,7 +124,7 @@ def test_a_copy_of_an_attempt_that_ended_finding_its_key_held_is_dropped_not_ski
 def test_a_copy_of_an_attempt_that_ended_leaves_the_pending_rerun_its_arguments(memory_url):
     call = a_call(memory_url, on_duplicate="rerun")
     attempt.run(call, ACKS_LATE, lambda args, kwargs: "first")
-    newer = policies.encode_call(call.name, (4,), {})
+    newer = encode_call(call.name, (4,), {})
     with holding(call):
         marks.join_rerun(call.backend, call.key, "task-4", newer, ttl=30)
         outcome = attempt.run(call, ACKS_LATE, pytest.fail)
@@ -155,7 +156,7 @@ def test_a_copy_of_an_attempt_that_ended_is_dropped_while_its_retry_holds_the_ke
 def test_a_copy_of_an_attempt_that_ended_leaves_the_arguments_its_retry_runs_with(memory_url):
     call = a_call(memory_url, on_duplicate="rerun")
     attempt.run(call, ACKS_LATE, lambda args, kwargs: "first")
-    newest = policies.encode_call(call.name, (3,), {})
+    newest = encode_call(call.name, (3,), {})
     retry = dataclasses.replace(call, retries=1)  # the pending rerun now, with (3,)
     marks.join_rerun(call.backend, call.key, "task-1", newest, ttl=30)
     kept = []
@@ -188,7 +189,7 @@ def test_a_skipped_duplicate_delivered_again_once_the_key_is_free_is_dropped_not
 
 def test_a_coalesced_duplicate_delivered_again_leaves_a_newer_change_pending(memory_url):
     call = a_call(memory_url, on_duplicate="rerun", wait_timeout=0.2)
-    newer = policies.encode_call(call.name, (4,), {})
+    newer = encode_call(call.name, (4,), {})
     with holding(call):
         marks.join_rerun(call.backend, call.key, "task-0", "{}", ttl=30)
         assert isinstance(attempt.run(call, ACKS_LATE, pytest.fail), outcomes.Coalesced)
@@ -263,7 +264,7 @@ def test_a_pending_rerun_stopped_by_the_loss_of_its_lease_is_sent_again_with_the
     call = a_call(memory_url, on_duplicate="rerun")
     # A duplicate with newer arguments joined this call while it waited as the key's
     # pending rerun: it runs with them, not with its own (1,).
-    newest = policies.encode_call(call.name, (3,), {"changed": "later"})
+    newest = encode_call(call.name, (3,), {"changed": "later"})
     marks.join_rerun(call.backend, call.key, "task-1", newest, ttl=30)
     ran_with = []
 
@@ -289,7 +290,7 @@ def test_a_pending_rerun_delivered_again_after_its_body_was_stopped_runs_with_th
     memory_url,
 ):
     call = a_call(memory_url, on_duplicate="rerun")
-    stopped_as_pending_rerun(call, policies.encode_call(call.name, (3,), {"changed": "later"}))
+    stopped_as_pending_rerun(call, encode_call(call.name, (3,), {"changed": "later"}))
     # The broker delivers the message again: the same task id, its own arguments (1,).
     ran_with = []
     attempt.run(
@@ -302,7 +303,7 @@ def test_a_pending_rerun_delivered_again_runs_unlocked_with_the_pending_argument
     memory_url, monkeypatch
 ):
     call = a_call(memory_url, on_duplicate="rerun", on_backend_error="run")
-    stopped_as_pending_rerun(call, policies.encode_call(call.name, (3,), {"changed": "later"}))
+    stopped_as_pending_rerun(call, encode_call(call.name, (3,), {"changed": "later"}))
 
     def unanswered(*args, **kwargs):
         raise BackendUnavailable("the store did not answer", memory_url)
@@ -321,7 +322,7 @@ def test_a_pending_rerun_delivered_again_while_its_key_is_held_is_pending_again_
     memory_url,
 ):
     call = a_call(memory_url, on_duplicate="rerun", wait_timeout=0.2)
-    newest = policies.encode_call(call.name, (3,), {"changed": "later"})
+    newest = encode_call(call.name, (3,), {"changed": "later"})
     stopped_as_pending_rerun(call, newest)
     with holding(call):
         outcome = attempt.run(call, REDELIVERED_WHEN_STOPPED, pytest.fail)
@@ -334,9 +335,9 @@ def test_a_pending_rerun_delivered_again_joins_a_newer_pending_rerun_without_rep
     memory_url,
 ):
     call = a_call(memory_url, on_duplicate="rerun", wait_timeout=0.2)
-    stopped_as_pending_rerun(call, policies.encode_call(call.name, (3,), {}))
+    stopped_as_pending_rerun(call, encode_call(call.name, (3,), {}))
     # A duplicate with newer arguments became the pending rerun since the run took its.
-    newer = policies.encode_call(call.name, (4,), {})
+    newer = encode_call(call.name, (4,), {})
     with holding(call):
         marks.join_rerun(call.backend, call.key, "task-4", newer, ttl=30)
         outcome = attempt.run(call, REDELIVERED_WHEN_STOPPED, pytest.fail)
@@ -354,7 +355,7 @@ def test_a_pending_rerun_runs_with_its_arguments_when_the_store_cannot_keep_them
 
     monkeypatch.setattr(marks, "keep_resume", unanswered)
     call = a_call(memory_url, on_duplicate="rerun")
-    newest = policies.encode_call(call.name, (3,), {"changed": "later"})
+    newest = encode_call(call.name, (3,), {"changed": "later"})
     marks.join_rerun(call.backend, call.key, "task-1", newest, ttl=30)
     ran_with = []
     attempt.run(call, ACKS_LATE, lambda args, kwargs: ran_with.append((args, kwargs)))
@@ -363,7 +364,7 @@ def test_a_pending_rerun_runs_with_its_arguments_when_the_store_cannot_keep_them
 
 def test_the_arguments_kept_for_a_delivery_that_comes_again_go_when_its_attempt_ends(memory_url):
     call = a_call(memory_url, on_duplicate="rerun")
-    newest = policies.encode_call(call.name, (3,), {"changed": "later"})
+    newest = encode_call(call.name, (3,), {"changed": "later"})
     marks.join_rerun(call.backend, call.key, "task-1", newest, ttl=30)
     kept = []
 
@@ -388,7 +389,7 @@ def test_a_call_that_is_no_pending_rerun_keeps_no_arguments_for_its_message(memo
 
 def test_a_pending_rerun_killed_for_not_stopping_is_sent_again_with_the_arguments_of_its_note():
     settings = Settings(backend_url="memory://", requeue_delay=0.1)
-    noted = policies.encode_call("t", (3,), {"changed": "later"})
+    noted = encode_call("t", (3,), {"changed": "later"})
     outcome = attempt.rerun_of_killed(settings, "exclusive:k", 0, noted)
     assert outcome is not None and outcome.cause == "lost"
     assert (outcome.args, outcome.kwargs) == ((3,), {"changed": "later"})
@@ -427,7 +428,7 @@ def test_a_pending_rerun_killed_for_not_stopping_notes_the_arguments_it_ran_with
 ):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # its notes, and the child's
     monkeypatch.setenv("TMPDIR", str(tmp_path))
-    newest = policies.encode_call("t", (3,), {"changed": "later"})
+    newest = encode_call("t", (3,), {"changed": "later"})
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     child = subprocess.Popen([sys.executable, "-c", STUBBORN_RERUN, newest], env=env, cwd=ROOT)
     assert child.wait(timeout=60) == -signal.SIGKILL

@@ -21,7 +21,7 @@ import pytest
 from celery_exclusive import ConfigurationError, ExclusiveLock, LockHeld, backend_for_url
 from celery_exclusive.backends import _load
 from celery_exclusive.backends.etcd.recipe import MutexBackend
-from celery_exclusive.core import policies
+from celery_exclusive.core import outcomes, policies
 from celery_exclusive.core.config import Settings
 from tests.conftest import BackendCase
 from tests.contract import test_backend_contract as contract
@@ -119,7 +119,7 @@ def test_an_etcdctl_lock_held_makes_a_task_call_skip_and_name_it(recipe_url, sto
     etcdctl.lock(f"{root}/{KEY}")
     assert wait_until(lambda: held_by_foreign(store, KEY), timeout=10)
     outcome = task_call(recipe_url, "task-1")
-    assert isinstance(outcome, policies.Skip)
+    assert isinstance(outcome, outcomes.Skipped)
     assert "etcd concurrency mutex" in outcome.holder
     assert f"{root}/{KEY}/" in outcome.holder
     with pytest.raises(LockHeld, match="etcd concurrency mutex"), ExclusiveLock(KEY, recipe_url):

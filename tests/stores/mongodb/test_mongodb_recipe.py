@@ -22,7 +22,7 @@ from celery_exclusive import ConfigurationError, ExclusiveLock, LockHeld, backen
 from celery_exclusive.backends import _load
 from celery_exclusive.backends.mongodb.backend import COLLECTION
 from celery_exclusive.backends.mongodb.recipe import FIELD, TtlLeaseBackend
-from celery_exclusive.core import policies
+from celery_exclusive.core import outcomes, policies
 from celery_exclusive.core.config import Settings
 from tests.conftest import BackendCase
 from tests.contract import test_backend_contract as contract
@@ -175,7 +175,7 @@ def test_an_article_lease_held_makes_a_task_call_skip_and_name_it(recipe_url, re
     theirs = node(leases)
     assert theirs.acquire()
     outcome = task_call(recipe_url, "task-1")
-    assert isinstance(outcome, policies.Skip)
+    assert isinstance(outcome, outcomes.Skipped)
     assert f"TTL-lease document in job_leases (owner '{theirs.node}', generation 1" in (
         outcome.holder
     )

@@ -29,7 +29,7 @@ from celery_exclusive import ConfigurationError, ExclusiveLock, LockHeld, backen
 from celery_exclusive.backends import _load
 from celery_exclusive.backends.postgresql import recipe as advisory
 from celery_exclusive.backends.postgresql.recipe import AdvisoryBackend, lock_id
-from celery_exclusive.core import policies
+from celery_exclusive.core import outcomes, policies
 from celery_exclusive.core.config import Settings
 from tests.conftest import BackendCase
 from tests.contract import test_backend_contract as contract
@@ -179,7 +179,7 @@ def test_a_psql_session_holding_the_lock_makes_a_task_call_skip_and_name_it(
     theirs = psql()
     theirs.lock(KEY)
     outcome = task_call(recipe_url, "task-1")
-    assert isinstance(outcome, policies.Skip)
+    assert isinstance(outcome, outcomes.Skipped)
     assert f"session advisory lock on {lock_id(KEY)} held by backend {theirs.pid}" in (
         outcome.holder
     )

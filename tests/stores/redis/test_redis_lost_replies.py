@@ -119,7 +119,7 @@ def test_a_skip_call_whose_grant_reply_was_lost_runs_and_is_not_its_own_duplicat
     settings = Settings(backend_url=url, lease_ttl=10.0, on_duplicate="skip")
     proxy.drop_reply_containing(TOKEN_REPLY)
     outcome = policies.claim(settings, lossy, "k", "billing.settle", "task-1")
-    assert isinstance(outcome, policies.Run), outcome
+    assert isinstance(outcome, policies.Granted), outcome
     assert outcome.lease.fencing_token == _token_lost(proxy)
     assert [(i.task_id, i.fencing_token) for i in direct.holders_of("k")] == [
         ("task-1", outcome.lease.fencing_token)

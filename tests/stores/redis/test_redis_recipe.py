@@ -29,7 +29,7 @@ from celery_exclusive.backends import _load
 from celery_exclusive.backends.base import Lease
 from celery_exclusive.backends.redis import recipe
 from celery_exclusive.backends.redis.recipe import RecipeLayout, SetNxBackend, beside
-from celery_exclusive.core import policies
+from celery_exclusive.core import outcomes, policies
 from celery_exclusive.core.config import Settings
 from celery_exclusive.core.heartbeat import heartbeat
 from tests.conftest import BackendCase
@@ -93,7 +93,7 @@ def test_a_redis_py_lock_held_makes_a_task_call_skip_and_name_it(recipe_url, cli
     theirs = client.lock(KEY, timeout=10)
     assert theirs.acquire(blocking=False)
     outcome = task_call(recipe_url, "task-1")
-    assert isinstance(outcome, policies.Skip)
+    assert isinstance(outcome, outcomes.Skipped)
     assert outcome.holder_task_id is None
     assert "SET NX lock recipe" in outcome.holder
     assert theirs.local.token.decode() in outcome.holder
