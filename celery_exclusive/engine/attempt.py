@@ -570,13 +570,18 @@ def _resumed(requeue: outcomes.Requeue, arguments: Optional[str]) -> outcomes.Re
 class _Holding:
     """What :meth:`Attempt.holding` returns: the body's ``with`` block under its lease.
 
-    A class rather than a generator-based context manager (it is entered once per
-    call); it does what this would, in this order::
+    It does what this would, in this order::
 
         with entered(attempt), stop_on_loss(lease):  # if the body is to be stopped
             yield lease
         # ... then, on every exit, attempt.finish(ended), and for a lost lease whose
         # body returned, LeaseLost.
+
+    but each step once, however it is cut short: the loss's interrupt raises LeaseLost
+    wherever the body's thread is, once, and it may land as the exit begins, before the
+    stopper was left (its grace timer would kill the process later, under another call)
+    or the attempt ended (its lease would be held, and renewed, for as long as the
+    process lives). :meth:`close` does what is left, whoever calls it.
     """
 
     __slots__ = ("attempt", "lease", "arguments", "entered", "stop", "write", "finished")
@@ -589,10 +594,9 @@ class _Holding:
         self.arguments = arguments
         self.entered = _Entered(attempt)
         self.stop: Optional[contextlib.AbstractContextManager[None]] = None
-        #: The write that stores the body's result with the release (see
-        #: :meth:`returned`).
+        #: The write that stores the body's result with the release (see :meth:`returned`).
         self.write: Optional[FinalWrite] = None
-        #: Whether the attempt was ended (:meth:`_end` got to ``finish``).
+        #: Whether the attempt was ended (:meth:`close` got to ``finish``).
         self.finished = False
 
     def returned(self, result: Any) -> None:
@@ -623,40 +627,41 @@ class _Holding:
             try:
                 stop.__enter__()
             except BaseException as exc:
-                self._end(exc)  # raises: leaves, ends the attempt, as the exit would
+                self.close(exc)  # leaves and ends the attempt, as the exit would
                 raise
             self.stop = stop
         return lease
 
     def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> bool:
-        try:
-            self._end(exc)
-        except BaseException as raised:
-            if raised is exc:
-                return False  # the body's own exception goes on, unchanged
-            raise
+        self.close(exc)
+        if exc is None and self.lease.lost and self.attempt.call.settings.on_lease_lost != "log":
+            self.lease.ensure_held()  # raises LeaseLost: the result is not to be trusted
         return False
 
-    def close(self, error: BaseException) -> None:
-        """After ``error`` left the ``with`` block: do what its exit did not get to.
-
-        The loss's interrupt raises LeaseLost wherever the body's thread is, once, and
-        it may land as the exit begins, before the stopper was left (its grace timer
-        would kill the process later, under another call) or the attempt ended (its
-        lease would be held, and renewed, for as long as the process lives). Each step
-        is done once: nothing here is done twice.
-        """
-        with contextlib.suppress(BaseException):  # ``error`` is what goes on
+    def close(self, error: Optional[BaseException]) -> None:
+        """Leave the inner contexts and end the attempt (``error``: what left the block,
+        None if it returned), each step once."""
+        try:
             self._leave(error)
-        if not self.finished:
-            attempt, lease = self.attempt, self.lease
-            attempt.stopped_by_loss = isinstance(error, LeaseLost) and lease.lost
-            ended = not (
-                attempt.stopped_by_loss
-                and (attempt.host.redelivered_when_stopped or attempt._requeues_lost())
-            )
-            self.finished = True
-            attempt.finish(ended)
+        finally:
+            if not self.finished:
+                self.finished = True
+                self.attempt.finish(self._ended(error), None if error else self.write)
+
+    def _ended(self, error: Optional[BaseException]) -> bool:
+        """Whether the block's exit ends the attempt: not when the call runs again (its
+        body stopped by the loss of its lease, and sent again or delivered again), nor
+        when the body sent its own message back (Celery's ``Reject(requeue=True)``)."""
+        attempt, lease, host = self.attempt, self.lease, self.attempt.host
+        if error is None:
+            # A loss found as the body returns stops it there: its result is not trusted.
+            attempt.stopped_by_loss = lease.lost and attempt.call.settings.on_lease_lost != "log"
+        elif isinstance(error, LeaseLost):
+            attempt.stopped_by_loss = lease.lost
+        elif host.comes_back(error):
+            return False
+        runs_again = host.redelivered_when_stopped or attempt._requeues_lost()
+        return not (attempt.stopped_by_loss and runs_again)
 
     def _leave(self, error: Optional[BaseException]) -> None:
         """Leave the inner contexts, innermost first, as nested ``with`` blocks do; each
@@ -669,36 +674,6 @@ class _Holding:
                 self.stop = None
         finally:
             self.entered.__exit__(None, None, None)
-
-    def _end(self, error: Optional[BaseException]) -> None:
-        """End the attempt after the body (``error``: what left it, None if it returned)."""
-        attempt, lease = self.attempt, self.lease
-        settings, host = attempt.call.settings, attempt.host
-        ended = True  # False when the call's message comes back: the attempt goes on
-        write = None  # the result's write, once the body is known to have returned
-        try:
-            self._leave(error)
-            if error is not None:
-                raise error
-            # A loss found as the body returns stops it there: its result is not trusted.
-            attempt.stopped_by_loss = lease.lost and settings.on_lease_lost != "log"
-            write = self.write
-        except LeaseLost:
-            attempt.stopped_by_loss = lease.lost
-            raise
-        except BaseException as exc:
-            if host.comes_back(exc):
-                ended = False
-            raise
-        finally:
-            if attempt.stopped_by_loss and (
-                host.redelivered_when_stopped or attempt._requeues_lost()
-            ):
-                ended = False  # it runs again: this attempt did not end
-            self.finished = True
-            attempt.finish(ended, write)
-        if lease.lost and settings.on_lease_lost != "log":
-            lease.ensure_held()  # raises LeaseLost: the result is not to be trusted
 
 
 @dataclasses.dataclass(frozen=True)

@@ -454,7 +454,7 @@ def test_a_call_resuming_a_stopped_run_is_requeued_not_skipped(memory_url):
     assert isinstance(outcome, outcomes.Requeue) and outcome.cause == "held"
 
 
-@pytest.mark.parametrize("where", ["_end", "_leave"])
+@pytest.mark.parametrize("where", ["close", "_leave"])
 def test_an_interrupt_landing_as_the_body_exits_still_ends_the_attempt_and_its_stopper(
     memory_url, monkeypatch, where
 ):
