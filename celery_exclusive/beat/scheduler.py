@@ -43,6 +43,7 @@ from celery.beat import ScheduleEntry, Scheduler
 from celery.utils.imports import load_extension_class_names, symbol_by_name
 
 from ..backends import Backend, backend_for_url
+from ..celery import settings as app_settings
 from ..celery import startup
 from ..core import config
 from ..core.lease import HeldLease, acquire, heartbeat
@@ -428,7 +429,7 @@ def beat_settings(app) -> config.Settings:
     what the tasks use.
     """
     conf = app.conf
-    written = config.AppSettings(conf)
+    written = app_settings.AppSettings(conf)
 
     def describe(name: str, value: Any) -> str:
         key = f"exclusive_beat_{name}"
@@ -440,6 +441,7 @@ def beat_settings(app) -> config.Settings:
         lambda name: conf.get(f"exclusive_beat_{name}"),
         lambda name: conf.get(config.setting_name(name)),
         broker_url=conf.broker_url,
+        app_name=app.main,
         describe=describe,
     )
 

@@ -46,6 +46,7 @@ from celery.signals import beat_init, import_modules, worker_init
 
 from ..core import config, peers
 from ..errors import ConfigurationError
+from . import settings as app_settings
 
 logger = logging.getLogger("celery_exclusive")
 
@@ -226,7 +227,7 @@ def setting_problems(app: Any) -> Iterator[str]:
     """App settings named like celery-exclusive's that nothing reads, in the words the
     configuration spells them."""
     conf = app.conf
-    layout = config.AppSettings(conf)
+    layout = app_settings.AppSettings(conf)
     uses = None  # read from the task registry only for a peer library's setting
     for key in layout.written():
         name = layout.unprefixed(key)
@@ -244,7 +245,7 @@ def setting_problems(app: Any) -> Iterator[str]:
                 )
 
 
-def _setting_problem(layout: config.AppSettings, key: str, name: str) -> Iterator[str]:
+def _setting_problem(layout: app_settings.AppSettings, key: str, name: str) -> Iterator[str]:
     if name in config.APP_SETTINGS:
         if layout.reads(key, name):
             return
@@ -339,7 +340,7 @@ def _spell(name: str, value: Any) -> str:
     return f"{config.setting_name(name)}={value!r}"
 
 
-def _app_spell(layout: config.AppSettings) -> peers.Spell:
+def _app_spell(layout: app_settings.AppSettings) -> peers.Spell:
     return lambda name, value: f"{layout.spelling(config.setting_name(name))}={value!r}"
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..core import config
 from ..core.lock import ExclusiveLock
+from . import settings as app_settings
 
 
 def exclusive_lock(
@@ -39,7 +39,7 @@ def exclusive_lock(
 
         app = current_app
     given = {"backend_url": backend_url, "lease_ttl": ttl, "limit": limit}
-    settings = config.for_app(app, f"exclusive_lock({key!r})", given.get)
+    settings = app_settings.for_app(app, f"exclusive_lock({key!r})", given.get)
     return ExclusiveLock(
         settings.key_prefix + key,
         settings.backend_url,

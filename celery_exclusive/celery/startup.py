@@ -18,6 +18,7 @@ from ..backends import backend_for_url
 from ..backends.sqlite import path_from_url
 from ..core import config
 from ..errors import BackendUnavailable, ConfigurationError
+from . import settings as app_settings
 
 logger = logging.getLogger("celery_exclusive")
 
@@ -43,7 +44,7 @@ def check_stores(
     for one in settings:
         stores.setdefault((one.backend_url, one.key_prefix), []).append(one)
     for url in sorted({url for url, _ in stores}):
-        default = config.is_default_store(app, url)
+        default = app_settings.is_default_store(app, url)
         announce_store(url, default)
         if default and urlsplit(url).scheme == "sqlite":
             check_default_store_directory(url)

@@ -8,18 +8,20 @@ executes what ``app/task.py`` declares.
 
 from __future__ import annotations
 
+import json
 import logging
 import types
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
 from celery import Task
+from celery.app.task import Context
 from kombu.utils.imports import symbol_by_name
 from kombu.utils.uuid import uuid
 
 from .. import signals
 from ..backends import Backend, backend_for_url
-from ..core import config, marks
+from ..core import config, keys, marks
 from ..core.keys import KeyBinder, KeySpec, check_key_spec
 from ..core.lease import HeldLease, UnlockedLease
 from ..core.lock import ExclusiveLock
@@ -27,7 +29,12 @@ from ..engine import attempt
 from ..engine.arguments import decode_call
 from ..errors import BackendUnavailable, DuplicateSkipped, ExclusiveError
 from . import checks, execution, worker
+from . import settings as app_settings
 from .execution import REQUEUES_HEADER, RedeliveredCopy  # noqa: F401 - where they were
+
+# A new-style errback is called with its failed task's request (``errback(request, exc,
+# traceback)``): its key names that task, as ``request("<task id>")``.
+keys.tag_type(Context, "request", lambda request: json.dumps(request.id))
 
 logger = logging.getLogger("celery_exclusive")
 
@@ -128,13 +135,13 @@ class ExclusiveTask(Task):
         stamp = (config.generation(), conf)  # read first: a change from now on is seen
         config.check_names(self.name, _override_names(type(self)))
         checks.check_task(self)
-        settings = config.for_app(
+        settings = app_settings.for_app(
             self.app, self.name, lambda name: _task_option(self, config.setting_name(name))
         )
         check_key_spec(self.name, self.run, settings.key)
         self._exclusive_settings = settings
         # An app.conf that is not Celery's own cannot be watched: resolve at every call.
-        watched = isinstance(conf, config.WatchedSettings)
+        watched = isinstance(conf, app_settings.WatchedSettings)
         self._exclusive_settings_stamp = stamp if watched else None
         return settings
 

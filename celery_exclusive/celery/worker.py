@@ -5,7 +5,8 @@
   and sends again the call of a child killed because its lease was lost.
 - :class:`CheckExclusiveSettings`, a worker bootstep, checks every exclusive task's
   settings and key, and every lease store they use, before the first task runs
-  (:func:`check_app`; the store checks themselves are :mod:`celery_exclusive.celery.startup`).
+  (:func:`check_tasks_and_stores`; the store checks themselves are
+  :mod:`celery_exclusive.celery.startup`).
 
 The task body itself runs under its lease in :mod:`celery_exclusive.celery.task`.
 """
@@ -177,7 +178,7 @@ class ExclusiveRequest(Request):
         try:
             key = task.exclusive_key_for(tuple(self.args or ()), dict(self.kwargs or {}))
             backend = task.exclusive_backend
-            held = reaper.held_here(backend, key, self.id, task.exclusive_settings.limit)
+            held = reaper.leases_on_this_host(backend, key, self.id, task.exclusive_settings.limit)
             if task.exclusive_settings.scope != "run" and not comes_back:
                 marks.clear_mark(backend, key, marks.QUEUED, self.id)
             if acknowledged and task.acks_late:
@@ -251,13 +252,13 @@ class CheckExclusiveSettings(bootsteps.Step):
     def __init__(self, worker, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
         try:
-            check_app(worker.app)
+            check_tasks_and_stores(worker.app)
         except (ConfigurationError, ExclusiveKeyError) as exc:
             # The message says what to fix; a traceback through Celery's start-up adds nothing.
             raise SystemExit(f"celery-exclusive: {type(exc).__name__}: {exc}") from None
 
 
-def check_app(app) -> None:
+def check_tasks_and_stores(app) -> None:
     """Resolve and check the settings and key of every ExclusiveTask of ``app``, then
     each lease store they use, once per store and key prefix."""
     settings = [

@@ -59,6 +59,7 @@ def _target(app: Any, backend_url: Optional[str], key_prefix: Optional[str]) -> 
         {"backend_url": backend_url, "key_prefix": key_prefix}.get,
         lambda name: conf.get(config.setting_name(name)),
         broker_url=conf.get("broker_url"),
+        app_name=getattr(app, "main", None),
     )
     if backend_url is None and app is None:
         raise click.UsageError("name the lease store: --backend URL (or EXCLUSIVE_BACKEND_URL)")

@@ -15,10 +15,12 @@ and the user (:func:`default_store_path`): two apps, or two users, on one host n
 see each other's keys by accident.
 
 A task resolves its settings once and keeps them while :func:`generation` stays the
-same. The generation moves whenever a watched ``app.conf`` is changed (:func:`watch`),
-a task's ``exclusive_<name>`` attribute is set, or :func:`force` changes what tests
-force: a change made after the first call is seen at the next call, and a call in
-production pays one integer comparison for it.
+same. The generation moves whenever a watched ``app.conf`` is changed
+(:func:`celery_exclusive.celery.settings.watch`), a task's ``exclusive_<name>``
+attribute is set, or :func:`force` changes what tests force: a change made after the
+first call is seen at the next call, and a call in production pays one integer
+comparison for it. Nothing here knows Celery: how an ``app.conf`` is read is
+:mod:`celery_exclusive.celery.settings`'s.
 """
 
 from __future__ import annotations
@@ -34,8 +36,6 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, Callable, Literal, Optional, get_args
 from urllib.parse import urlsplit
-
-from celery.app.utils import Settings as CelerySettings
 
 from ..backends import SCHEMES
 from ..errors import BackendUnavailable, ConfigurationError
@@ -147,72 +147,6 @@ APP_SETTINGS = tuple(
 )
 
 
-class AppSettings:
-    """An ``app.conf`` as its user wrote it: which spelling of a setting Celery looks
-    up, and why a key spelt otherwise is never read.
-
-    ``conf.get("exclusive_lease_ttl")`` finds ``exclusive_lease_ttl`` and, in an app
-    configured with ``config_from_object(..., namespace="CELERY")`` (Django's way),
-    ``CELERY_EXCLUSIVE_LEASE_TTL`` (the namespace in its case, then the name in that
-    case). Any other spelling is kept by Celery and read by nobody.
-    """
-
-    def __init__(self, conf: Any) -> None:
-        self.conf = conf
-        self.prefix: str = getattr(conf, "prefix", None) or ""
-
-    def written(self) -> list[str]:
-        """Every key of the configuration, as written."""
-        return [str(key) for key in self.conf]
-
-    def spelling(self, name: str) -> str:
-        """How this app's configuration is best written to set ``name``
-        (``exclusive_lease_ttl``): with its namespace if it has one."""
-        return self._candidates(name)[0]
-
-    def given_as(self, name: str) -> str:
-        """The key under which ``conf.get(name)`` finds its value, as the user wrote it
-        (``name`` itself when unset)."""
-        for candidate in self._candidates(name):
-            if any(candidate in layer for layer in self.conf.maps):
-                return candidate
-        return name
-
-    def reads(self, key: str, name: str) -> bool:
-        """Whether ``conf.get(name)`` looks ``key`` up."""
-        return key in self._candidates(name)
-
-    def unprefixed(self, key: str) -> str:
-        """``key`` lowercased, without the namespace (or a Django ``CELERY_`` prefix the
-        app does not read): what it would be called in ``app.conf``."""
-        lowered = key.lower()
-        for prefix in (self.prefix.lower(), "celery_"):
-            if prefix and lowered.startswith(prefix):
-                return lowered[len(prefix) :]
-        return lowered
-
-    def why_unread(self, key: str, name: str) -> str:
-        """Why ``key``, a spelling of setting ``name``, is never read, and what to write."""
-        looked_up = " or ".join(self._candidates(name))
-        if key.lower().startswith("celery_") and not self.prefix:
-            return (
-                f"this app reads its configuration without a namespace, so Celery looks up "
-                f"{looked_up} only; write that, or read Django's settings with "
-                "app.config_from_object('django.conf:settings', namespace='CELERY')"
-            )
-        return (
-            f"Celery looks it up as {looked_up} only (names are case-sensitive); write "
-            f"{self.spelling(name)}"
-        )
-
-    def _candidates(self, name: str) -> list[str]:
-        if not self.prefix:
-            return [name]
-        namespaced = self.prefix + name
-        namespaced = namespaced.upper() if self.prefix.isupper() else namespaced.lower()
-        return [namespaced, name]
-
-
 # --- seeing changes made after the first call ---------------------------------------
 
 _generation = 0
@@ -235,60 +169,9 @@ def invalidate() -> None:
         _generation += 1
 
 
-class WatchedSettings(CelerySettings):
-    """Celery's ``app.conf``, counting its changes (:func:`watch` puts it in place).
-
-    Every way Celery and users change a configuration goes through these methods:
-    ``app.conf.x = ...`` (``__setattr__`` calls ``__setitem__``), ``update()``,
-    ``setdefault()``, ``pop()``, ``clear()``, ``add_defaults()``, and the swap that
-    finalizes a pending configuration. Writing into ``app.conf.changes`` directly
-    bypasses them.
-    """
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        super().__setitem__(key, value)
-        invalidate()
-
-    def __delitem__(self, key: str) -> None:
-        super().__delitem__(key)
-        invalidate()
-
-    def update(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return super().update(*args, **kwargs)
-        finally:
-            invalidate()
-
-    def pop(self, key: Any, *default: Any) -> Any:
-        try:
-            return super().pop(key, *default)
-        finally:
-            invalidate()
-
-    def clear(self) -> None:
-        super().clear()
-        invalidate()
-
-    def add_defaults(self, d: Any) -> None:
-        super().add_defaults(d)
-        invalidate()
-
-    def swap_with(self, other: Any) -> None:
-        super().swap_with(other)
-        invalidate()
-
-
-def watch(conf: Any) -> bool:
-    """Count the changes of ``conf`` (an ``app.conf``) from now on; False when it is
-    not Celery's own settings object, whose changes then cannot be seen."""
-    if isinstance(conf, WatchedSettings):
-        return True
-    if type(conf) is not CelerySettings:
-        return False
-    # The same object, so every reference to it (and every change) stays; its own
-    # __setattr__ would store "__class__" as a setting.
-    object.__setattr__(conf, "__class__", WatchedSettings)
-    return True
+def forced(name: str) -> Any:
+    """The value :func:`force` forces for setting ``name`` now, or None."""
+    return _forced.get(name)
 
 
 @contextmanager
@@ -399,17 +282,11 @@ def _uid() -> int:
 
 
 def default_backend_url(broker_url: Optional[str], app_name: Optional[str] = None) -> str:
-    """The broker's URL when it is Redis, else the app's private SQLite file.
-
-    Without ``app_name``, the current Celery app's (``celery -A proj ...`` makes it
-    current), so that every command of one app finds the same file.
+    """The broker's URL when it is Redis, else the private SQLite file of the app named
+    ``app_name`` (every command of one app names it, so that all find the same file).
     """
     if broker_url and urlsplit(broker_url).scheme in REDIS_SCHEMES:
         return broker_url
-    if app_name is None:
-        from celery import current_app  # imported late: config sits below the integrations
-
-        app_name = current_app.main
     return "sqlite:///" + default_store_path(app_name)
 
 
@@ -440,35 +317,6 @@ def resolve(
             values[name] = value
     values.setdefault("backend_url", default_backend_url(broker_url, app_name))
     return _check(owner, Settings(**values), describe)
-
-
-def for_app(app: Any, owner: str, override: Callable[[str], Any] = lambda name: None) -> Settings:
-    """The settings of ``owner`` in a Celery ``app``: ``override``, then the app's
-    ``exclusive_<name>`` settings, then the defaults (the default store is the app's).
-
-    From now on, changes to ``app.conf`` move :func:`generation`."""
-    conf = app.conf
-    watch(conf)
-    written = AppSettings(conf)
-
-    def describe(name: str, value: Any) -> str:
-        given = override(name) is not None and _forced.get(name) is None
-        key = setting_name(name) if given else written.given_as(setting_name(name))
-        return f"{key}={value!r}"
-
-    return resolve(
-        owner,
-        override,
-        lambda name: conf.get(setting_name(name)),
-        broker_url=conf.broker_url,
-        app_name=app.main,
-        describe=describe,
-    )
-
-
-def is_default_store(app: Any, url: str) -> bool:
-    """Whether ``url`` is the store ``app`` gets when ``exclusive_backend_url`` is unset."""
-    return url == default_backend_url(app.conf.broker_url, app.main)
 
 
 def _check(owner: str, settings: Settings, describe: Callable[[str, Any], str]) -> Settings:

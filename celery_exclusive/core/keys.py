@@ -18,8 +18,6 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Optional, Union
 
-from celery.app.task import Context
-
 from ..errors import ExclusiveKeyError
 
 #: Keys longer than this are hashed so they stay cheap to store and send.
@@ -372,6 +370,15 @@ def _iso(value: Any) -> str:
     return json.dumps(value.isoformat())
 
 
+def tag_type(types: Any, tag: str, text: Callable[[Any], str]) -> None:
+    """Write values of ``types`` as ``tag(text(value))``: for a host's own objects that
+    reach a call as arguments (Celery gives a new-style errback its failed task's
+    request: :mod:`celery_exclusive.celery.task` tags it ``request``)."""
+    global _TAGGED
+    if not any(tagged == tag for _, tagged, _ in _TAGGED):
+        _TAGGED = ((types, tag, text), *_TAGGED)
+
+
 #: Types written as ``tag(JSON)``, most specific first (a datetime is also a date).
 _TAGGED: tuple[tuple[Any, str, Callable[[Any], str]], ...] = (
     ((bytes, bytearray, memoryview), "bytes", lambda v: json.dumps(bytes(v).decode("latin-1"))),
@@ -386,7 +393,6 @@ _TAGGED: tuple[tuple[Any, str, Callable[[Any], str]], ...] = (
     (decimal.Decimal, "decimal", lambda v: json.dumps(str(v))),
     (uuid.UUID, "uuid", lambda v: json.dumps(str(v))),
     ((set, frozenset), "set", _sorted_items),
-    (Context, "request", lambda v: json.dumps(v.id)),
     (
         BaseException,
         "exception",

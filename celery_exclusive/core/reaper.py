@@ -28,7 +28,7 @@ logger = logging.getLogger("celery_exclusive")
 REAP_PATIENCE = 3.0
 
 
-def held_here(
+def leases_on_this_host(
     backend: Backend, key: str, task_id: str, limit: int
 ) -> list[tuple[Lease, Optional[int]]]:
     """The leases the store says ``task_id`` holds on ``key`` from a process of this
@@ -48,7 +48,7 @@ def release_left_by(backend: Backend, key: str, task_id: str, limit: int, pid: i
     has exited. A lease of another process is left alone, this task id's included (a
     copy of the call that runs elsewhere)."""
     try:
-        held = held_here(backend, key, task_id, limit)
+        held = leases_on_this_host(backend, key, task_id, limit)
     except ExclusiveError as exc:
         logger.warning("lease of lost task %s on %s left to expire: %s", task_id, key, exc)
         return

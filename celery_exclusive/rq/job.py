@@ -380,7 +380,7 @@ class ExclusiveJob(Job):
             settings = settings_for(self.func_name, options, self.connection)
             key = self._exclusive_key(settings)
             backend = backend_for_url(settings.backend_url)
-            for lease, pid in reaper.held_here(backend, key, self.id, settings.limit):
+            for lease, pid in reaper.leases_on_this_host(backend, key, self.id, settings.limit):
                 # The worker has waited for its horse: a process still running is not it.
                 reaper.release_when_gone(backend, lease, pid, self.id, patience=0)
             owed = None if comes_back else attempt.owed_rerun(backend, key, self.id)

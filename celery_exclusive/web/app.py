@@ -66,7 +66,7 @@ TOKEN_HEADER = "x-release-token"
 STATIC = __package__, "static"
 
 
-class Settings:
+class ViewSettings:
     """What one web view was started with."""
 
     def __init__(
@@ -124,7 +124,7 @@ def create_app(
     if not refresh > 0:
         raise ExclusiveError(f"refresh={refresh!r}: use a number of seconds above 0.")
     backend_for_url(backend_url)  # an unknown scheme or a missing client: say so now
-    settings = Settings(
+    settings = ViewSettings(
         backend_url,
         key_prefix,
         release_token,
@@ -175,7 +175,7 @@ class Guard:
         (b"cache-control", b"no-store"),
     ]
 
-    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+    def __init__(self, app: ASGIApp, settings: ViewSettings) -> None:
         self.app = app
         self.settings = settings
 
@@ -210,7 +210,7 @@ class Snapshots:
     """What the store holds, read at most once per ``refresh`` for each page and shared
     by everyone watching it: ten viewers of a page cost the store what one does."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: ViewSettings) -> None:
         self.settings = settings
         self._cache: dict[tuple, tuple[float, dict]] = {}
         self._locks: dict[tuple, asyncio.Lock] = {}
@@ -270,7 +270,7 @@ def _static_path(name: str) -> str:
 
 
 async def config(request: Request) -> Response:
-    settings: Settings = request.app.state.settings
+    settings: ViewSettings = request.app.state.settings
     return JSONResponse(
         {
             "store": settings.backend.safe_url,
@@ -286,7 +286,7 @@ async def config(request: Request) -> Response:
 def _where(request: Request) -> tuple[str, Optional[str]]:
     """The page asked for: the key prefix with the viewer's filter after it, and the
     cursor of the page (none: the first)."""
-    settings: Settings = request.app.state.settings
+    settings: ViewSettings = request.app.state.settings
     text = request.query_params.get("filter", "")
     cursor = request.query_params.get("cursor") or None
     return settings.key_prefix + text, cursor
@@ -309,7 +309,7 @@ async def stream(request: Request) -> Response:
     """Server-sent events: a ``snapshot`` every refresh, with only the events of the
     feed not sent before."""
     prefix, cursor = _where(request)
-    settings: Settings = request.app.state.settings
+    settings: ViewSettings = request.app.state.settings
 
     async def snapshots() -> AsyncIterator[str]:
         sent: set[str] = set()
@@ -332,7 +332,7 @@ async def stream(request: Request) -> Response:
 async def release(request: Request) -> Response:
     """Free one key: ``{"key": ..., "tokens": [fencing tokens confirmed]}`` with the
     release token in the ``X-Release-Token`` header."""
-    settings: Settings = request.app.state.settings
+    settings: ViewSettings = request.app.state.settings
     who = request.scope["state"].get("who")
     given = request.headers.get(TOKEN_HEADER, "")
     if not hmac.compare_digest(given.encode(), (settings.release_token or "").encode()):
@@ -383,7 +383,7 @@ async def release(request: Request) -> Response:
     return JSONResponse({"released": count, "key": key})
 
 
-def _report_release(settings: Settings, key: str, count: int, infos: list, who: Any) -> None:
+def _report_release(settings: ViewSettings, key: str, count: int, infos: list, who: Any) -> None:
     """Put the release in the feed, for everyone watching; a store that does not
     take it leaves it in the log only."""
     event = {

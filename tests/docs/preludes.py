@@ -117,11 +117,11 @@ def _check_the_examples_apps() -> None:
     from celery import Celery
 
     from celery_exclusive import ExclusiveTask
-    from celery_exclusive.core import config
+    from celery_exclusive.celery import settings as app_settings
 
     for value in list(globals().values()):
         if isinstance(value, Celery):
-            config.for_app(value, "the example")
+            app_settings.for_app(value, "the example")
             for task in value.tasks.values():
                 if isinstance(task, ExclusiveTask):
                     task.exclusive_settings  # noqa: B018 - resolving is the check
@@ -134,7 +134,7 @@ _check_the_examples_apps()
 CHECK_DJANGO = """
 
 def _check_the_django_settings() -> None:
-    from celery_exclusive.core import config
+    from celery_exclusive.celery import settings as app_settings
 
     for name in [n for n in globals() if n.startswith("CELERY_EXCLUSIVE_")]:
         setting = name[len("CELERY_EXCLUSIVE_") :].lower()
