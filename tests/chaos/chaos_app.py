@@ -24,6 +24,7 @@ from celery.exceptions import WorkerLostError
 from celery.worker.request import Request
 
 from celery_exclusive import ExclusiveTask
+from tests.support.in_process import in_worker
 
 app = Celery("chaos")
 app.conf.update(
@@ -98,7 +99,6 @@ def work(self, key: str, job: int, duration: float) -> None:
     pipe.execute()
 
 
-@signals.after_task_publish.connect
 def _published(sender, body, **extra) -> None:
     """When the last copy of a job was sent (the first, from the harness's process, or a
     requeue, from a worker): a copy no worker started before a whole worker was
@@ -108,9 +108,11 @@ def _published(sender, body, **extra) -> None:
         ledger().hset("published", job, time.time())
 
 
-@signals.task_prerun.connect
 def _started(task_id, task, args, **extra) -> None:
     """Note when a worker last started a copy of the job: a copy published after that
     and never started may have been lost by the broker (see the harness)."""
     if task.name == "chaos.work":
         ledger().hset("started", args[1], time.time())
+
+
+in_worker((signals.after_task_publish, _published), (signals.task_prerun, _started))

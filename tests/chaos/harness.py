@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 import redis
+from celery import signals as celery_signals
 
 from celery_exclusive import BackendUnavailable, backend_for_url
 from tests.support.servers import RedisServer, kill_tree
@@ -74,6 +75,7 @@ class Chaos:
         self.task = chaos_app.work
         self.pool = [self._worker(i) for i in range(self.workers)]
         drained = False
+        celery_signals.after_task_publish.connect(chaos_app._published, weak=False)
         try:
             for w in self.pool:
                 w.start(wait=False)
@@ -102,6 +104,7 @@ class Chaos:
                 "events": self.events,
             }
         finally:
+            celery_signals.after_task_publish.disconnect(chaos_app._published)
             for w in self.pool:
                 with contextlib.suppress(Exception):
                     kill_tree(w.process, signal.SIGCONT)

@@ -25,6 +25,7 @@ from celery import signals as celery_signals
 
 from celery_exclusive import ExclusiveTask, LeaseLost
 from tests.support.apps import ledger_client
+from tests.support.in_process import in_worker
 
 if os.environ.get("EXCLUSIVE_TEST_SLEEP_BY_SELECT"):
     # libfaketime 0.9.10 with FAKETIME_DONT_FAKE_MONOTONIC=1 (the wall clock faked, the
@@ -88,7 +89,6 @@ def hold(self, key: str, duration: float) -> dict:
     return entry
 
 
-@celery_signals.task_failure.connect
 def _note_failure(sender=None, task_id=None, exception=None, **extra) -> None:
     if getattr(sender, "name", None) == "host.hold":
         note(
@@ -100,3 +100,6 @@ def _note_failure(sender=None, task_id=None, exception=None, **extra) -> None:
                 "at": server_time(),
             },
         )
+
+
+in_worker((celery_signals.task_failure, _note_failure))

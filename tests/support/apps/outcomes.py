@@ -16,6 +16,7 @@ from celery.signals import task_failure, task_success
 
 from celery_exclusive import ExclusiveTask
 from tests.support.apps import ledger_client
+from tests.support.in_process import in_worker
 
 app = Celery("outcomes")
 app.conf.update(
@@ -43,13 +44,14 @@ def settle_success(n: int) -> str:
     return f"settled {n}"
 
 
-@task_failure.connect
 def _failed(sender=None, task_id=None, exception=None, **kwargs):
     entry = {"signal": "task_failure", "task_id": task_id, "error": type(exception).__name__}
     ledger_client().rpush("signals", json.dumps(entry))
 
 
-@task_success.connect
 def _succeeded(sender=None, result=None, **kwargs):
     entry = {"signal": "task_success", "task_id": sender.request.id, "result": result}
     ledger_client().rpush("signals", json.dumps(entry))
+
+
+in_worker((task_failure, _failed), (task_success, _succeeded))

@@ -17,6 +17,7 @@ import time
 from celery.signals import before_task_publish
 
 from tests.support.apps import ledger_client
+from tests.support.in_process import in_beat
 
 TASK = "beat_ledger.tick"
 LIST = "sends"
@@ -36,8 +37,10 @@ def install(app) -> None:
         ledger_client().rpush(LIST, json.dumps(send))
 
 
-@before_task_publish.connect
 def stamp(sender=None, headers=None, **kwargs) -> None:
     if sender == TASK and headers is not None:
         headers["sent_at"] = time.time()
         headers["sent_by"] = os.getpid()
+
+
+in_beat((before_task_publish, stamp))
