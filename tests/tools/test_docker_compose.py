@@ -33,7 +33,7 @@ def test_every_service_has_an_image_or_a_build_that_exists():
 def test_every_celery_command_names_an_app_module_that_imports():
     commands = celery_commands()
     assert commands, "no celery services"
-    for name, argv in commands.items():
+    for argv in commands.values():
         module = argv[argv.index("-A") + 1]
         # In a process of its own, as a worker imports it (an app connects its handlers).
         check = f"import {module}; assert {module}.app"
