@@ -28,6 +28,7 @@ from celery.exceptions import Ignore, Reject
 
 from celery_exclusive import ExclusiveTask, LeaseLost, backend_for_url, signals
 from tests.support.apps import ledger_client, steps
+from tests.support.in_process import in_worker
 
 app = Celery("ledger")
 app.conf.update(
@@ -303,18 +304,13 @@ def _record_signal(signal, sender, key, task_id, **extra):
     ledger().rpush("signals", json.dumps(entry))
 
 
-@celery_signals.worker_init.connect(weak=False)
-def _record_in_the_worker(**kwargs) -> None:
-    """The ledger's signal handlers, connected in a worker only (its pool's processes
-    inherit them): a test that imports this app to send its tasks keeps none."""
-    for signal in (
-        signals.lease_acquired,
-        signals.lease_released,
-        signals.lease_lost,
-        signals.duplicate_detected,
-    ):
-        signal.connect(_record_signal, weak=False)
-    celery_signals.before_task_publish.connect(_note_next_link, weak=False)
+in_worker(
+    (signals.lease_acquired, _record_signal),
+    (signals.lease_released, _record_signal),
+    (signals.lease_lost, _record_signal),
+    (signals.duplicate_detected, _record_signal),
+    (celery_signals.before_task_publish, _note_next_link),
+)
 
 
 @app.task(
