@@ -7,13 +7,12 @@ shared across processes, so this store excludes nothing between workers.
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
+from .. import runtime
 from .base import NO_END, Backend, Capabilities, End, Lease, LeaseInfo, MarkRead
 from .limits import check_limit
 from .line import LINE, admit, first_in_line
@@ -51,9 +50,12 @@ class _Store:
         self.marks: dict[tuple[str, str], tuple[str, float]] = {}
         #: (lease key, name) -> value
         self.records: dict[tuple[str, str], str] = {}
-        self.changed = threading.Condition()
-        #: The store's clock for line entries (epoch seconds, like every store's).
-        self.clock = time.time
+        self.changed = runtime.Condition()
+
+    @staticmethod
+    def clock() -> float:
+        """The store's clock for line entries (epoch seconds, like every store's)."""
+        return runtime.wall()
 
     def mark(self, name: tuple[str, str], now: float) -> Optional[str]:
         value, expires_at = self.marks.get(name, (None, 0.0))
@@ -88,7 +90,7 @@ class _Store:
 
 
 _stores: dict[str, _Store] = {}
-_stores_lock = threading.Lock()
+_stores_lock = runtime.Lock()
 
 
 class MemoryBackend(Backend):
@@ -112,7 +114,7 @@ class MemoryBackend(Backend):
     ) -> Optional[Lease]:
         store = self._store
         with store.changed:
-            now = time.monotonic()
+            now = runtime.monotonic()
             grants = store.live(key, now)
             if grants:
                 check_limit(key, limit, {g.limit for g in grants.values()})
@@ -124,7 +126,7 @@ class MemoryBackend(Backend):
                 store.set_mark((key, LINE), rest, store.marks[(key, LINE)][1])
             token = store.fences[key] = store.fences.get(key, 0) + 1
             store.grants.setdefault(key, {})[owner] = _Grant(
-                token, time.monotonic() + ttl, limit, _stored(holder)
+                token, runtime.monotonic() + ttl, limit, _stored(holder)
             )
             return Lease(key, owner, token, ttl, limit)
 
@@ -132,7 +134,7 @@ class MemoryBackend(Backend):
         lost = set()
         store = self._store
         with store.changed:
-            now = time.monotonic()
+            now = runtime.monotonic()
             for lease in leases:
                 grant = store.live(lease.key, now).get(lease.owner)
                 if grant is None:
@@ -146,7 +148,7 @@ class MemoryBackend(Backend):
             return super().release(lease, end)  # refused: no final writes here
         store = self._store
         with store.changed:
-            now = time.monotonic()
+            now = runtime.monotonic()
             mark = end.mark
             if mark is not None:
                 current = store.mark((mark.key, mark.kind), now)
@@ -163,17 +165,17 @@ class MemoryBackend(Backend):
 
     def wait(self, key: str, timeout: float, claimant: Optional[str] = None) -> None:
         store = self._store
-        deadline = time.monotonic() + timeout
+        deadline = runtime.monotonic() + timeout
         with store.changed:
-            while not store.free_for(key, claimant, time.monotonic()):
-                remaining = deadline - time.monotonic()
+            while not store.free_for(key, claimant, runtime.monotonic()):
+                remaining = deadline - runtime.monotonic()
                 if remaining <= 0:
                     return
                 store.changed.wait(remaining)
 
     def holders(self, prefix: str = "") -> list[LeaseInfo]:
         store = self._store
-        now = time.monotonic()
+        now = runtime.monotonic()
         with store.changed:
             return [
                 LeaseInfo(key, owner, g.fencing_token, g.expires_at - now, g.holder)
@@ -184,7 +186,7 @@ class MemoryBackend(Backend):
     def force_release(self, key: str) -> int:
         store = self._store
         with store.changed:
-            released = len(store.live(key, time.monotonic()))
+            released = len(store.live(key, runtime.monotonic()))
             store.grants.pop(key, None)
             store.changed.notify_all()
             return released
@@ -196,21 +198,21 @@ class MemoryBackend(Backend):
     def write_record(self, lease: Lease, name: str, value: str) -> bool:
         store = self._store
         with store.changed:
-            if lease.owner not in store.live(lease.key, time.monotonic()):
+            if lease.owner not in store.live(lease.key, runtime.monotonic()):
                 return False
             store.records[(lease.key, name)] = value
             return True
 
     def read_mark(self, key: str, kind: str) -> Optional[str]:
         with self._store.changed:
-            return self._store.mark((key, kind), time.monotonic())
+            return self._store.mark((key, kind), runtime.monotonic())
 
     def swap_mark(
         self, key: str, kind: str, expected: Optional[str], new: Optional[str], ttl: float
     ) -> bool:
         store = self._store
         with store.changed:
-            now = time.monotonic()
+            now = runtime.monotonic()
             if store.mark((key, kind), now) != expected:
                 return False
             store.set_mark((key, kind), new, now + ttl)

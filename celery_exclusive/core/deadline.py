@@ -16,11 +16,10 @@ logs, sends ``lease_lost`` and stops its holder) without asking the store anythi
 from __future__ import annotations
 
 import logging
-import os
 import threading
-import time
 from typing import TYPE_CHECKING, Optional
 
+from .. import runtime
 from .per_process import PerProcess
 
 if TYPE_CHECKING:
@@ -53,9 +52,9 @@ class DeadlineKeeper:
     """Flags leases lost at their deadlines, from one daemon thread per process."""
 
     def __init__(self) -> None:
-        self.pid = os.getpid()
+        self.pid = runtime.getpid()
         self._leases: set[WatchedLease] = set()
-        self._changed = threading.Condition(threading.Lock())
+        self._changed = runtime.Condition(runtime.Lock())
         self._thread: Optional[threading.Thread] = None
         #: The deadline the thread sleeps until (monotonic); None: until woken.
         self._sleeping_until: Optional[float] = None
@@ -69,7 +68,7 @@ class DeadlineKeeper:
             self._leases.add(lease)
             self._span, self._idle_naps = lease.ttl - lease.margin, 0
             if self._thread is None:
-                self._thread = threading.Thread(
+                self._thread = runtime.Thread(
                     target=self._run, name="celery-exclusive-deadlines", daemon=True
                 )
                 self._thread.start()
@@ -90,7 +89,7 @@ class DeadlineKeeper:
     def _run(self) -> None:
         while True:
             with self._changed:
-                now = time.monotonic()
+                now = runtime.monotonic()
                 due = [lease for lease in self._leases if lease.deadline <= now]
                 self._leases.difference_update(due)
                 if not due:

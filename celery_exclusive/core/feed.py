@@ -24,11 +24,11 @@ import logging
 import os
 import socket
 import threading
-import time
 from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from .. import runtime
 from ..errors import BackendUnavailable, ExclusiveError
 from .per_process import PerProcess
 
@@ -65,13 +65,13 @@ class Feed:
     """This process's buffer of events, and the thread that sends them."""
 
     def __init__(self) -> None:
-        self.pid = os.getpid()
-        self._lock = threading.Lock()
+        self.pid = runtime.getpid()
+        self._lock = runtime.Lock()
         #: (store, feed) -> events not sent yet, oldest first.
         self._pending: dict[tuple[Backend, str], deque[str]] = {}
         #: (store, feed) -> events dropped from a full buffer since the last send.
         self._missed: dict[tuple[Backend, str], int] = {}
-        self._wake = threading.Event()
+        self._wake = runtime.Event()
         self._thread: Optional[threading.Thread] = None
 
     def note(self, backend: Backend, feed: str, kind: str, key: str, **fields: Any) -> None:
@@ -79,7 +79,7 @@ class Feed:
         event = json.dumps(
             {
                 "id": os.urandom(8).hex(),
-                "at": time.time(),
+                "at": runtime.wall(),
                 "kind": kind,
                 "key": key,
                 "host": HOSTNAME,
@@ -94,7 +94,7 @@ class Feed:
                 self._missed[(backend, feed)] = self._missed.get((backend, feed), 0) + 1
             queue.append(event)
             if self._thread is None:
-                self._thread = threading.Thread(
+                self._thread = runtime.Thread(
                     target=self._run, name="celery-exclusive-feed", daemon=True
                 )
                 self._thread.start()
@@ -140,7 +140,7 @@ class Feed:
         retry = RETRY_FIRST
         while True:
             self._wake.wait()
-            time.sleep(FLUSH_DELAY)  # let a burst join one batch
+            runtime.sleep(FLUSH_DELAY)  # let a burst join one batch
             self._wake.clear()
             if self.flush():
                 retry = RETRY_FIRST
@@ -154,7 +154,7 @@ def _missed_event(count: int, pid: int) -> str:
     return json.dumps(
         {
             "id": os.urandom(8).hex(),
-            "at": time.time(),
+            "at": runtime.wall(),
             "kind": "missed",
             "count": count,
             "host": HOSTNAME,

@@ -21,14 +21,13 @@ one, so a hung store costs one thread.
 from __future__ import annotations
 
 import logging
-import os
 import threading
-import time
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from .. import runtime
 from ..errors import BackendUnavailable, ExclusiveError
 from .per_process import PerProcess
 
@@ -60,11 +59,11 @@ class _Renewal:
         self.heartbeat = heartbeat
         self.backend = backend
         self.leases = leases
-        self.done = threading.Event()
+        self.done = runtime.Event()
         self.error: Optional[Exception] = None
         #: When the renewal was sent (monotonic): a confirmed lease lasts ttl past it.
-        self.started = time.monotonic()
-        thread = threading.Thread(target=self._run, name="celery-exclusive-renewal", daemon=True)
+        self.started = runtime.monotonic()
+        thread = runtime.Thread(target=self._run, name="celery-exclusive-renewal", daemon=True)
         thread.start()
 
     def _run(self) -> None:
@@ -97,10 +96,10 @@ class Heartbeat:
     """Renews every lease this process holds, from one daemon thread."""
 
     def __init__(self) -> None:
-        self.pid = os.getpid()
+        self.pid = runtime.getpid()
         self._leases: set[WatchedLease] = set()
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
+        self._lock = runtime.Lock()
+        self._wake = runtime.Event()
         self._thread: Optional[threading.Thread] = None
         #: When the thread's current sleep ends (monotonic); None: asleep until woken.
         self._sleeping_until: Optional[float] = None
@@ -117,13 +116,13 @@ class Heartbeat:
         with self._lock:
             self._leases.add(lease)
             if self._thread is None:
-                self._thread = threading.Thread(
+                self._thread = runtime.Thread(
                     target=self._run, name="celery-exclusive-heartbeat", daemon=True
                 )
                 self._thread.start()
             # Wake the thread only if this lease needs a beat sooner than the one it
             # sleeps until: waking it on every acquire costs a thread switch per task.
-            now = time.monotonic()
+            now = runtime.monotonic()
             self._last_added, self._last_interval = now, lease.ttl / 3
             sleeping_until = self._sleeping_until
             wake = sleeping_until is None or now + lease.ttl / 3 < sleeping_until
@@ -153,7 +152,7 @@ class Heartbeat:
             # thread if a new lease needs a beat sooner (or the thread is idle).
             with self._lock:
                 interval = self._interval()
-                now = time.monotonic()
+                now = runtime.monotonic()
                 if interval is None:
                     self._outages.clear()
                     if now - self._last_added >= IDLE_BEATS * self._last_interval:
@@ -174,7 +173,7 @@ class Heartbeat:
             if self._wake.wait(max(0.0, wake_at - now)):
                 self._wake.clear()
                 continue
-            now = time.monotonic()
+            now = runtime.monotonic()
             stores: Optional[list[Backend]] = None  # a regular beat renews on every store
             if due is not None and now >= due:
                 self.lag = max(0.0, now - due)
@@ -203,18 +202,18 @@ class Heartbeat:
         for backend, leases in by_backend.items():
             stuck = self._abandoned.get(backend)
             if stuck is not None and not stuck.done.is_set():
-                since = time.monotonic() - stuck.started
+                since = runtime.monotonic() - stuck.started
                 error = BackendUnavailable(
                     f"its renewal sent {since:.1f}s ago is unanswered", backend.safe_url
                 )
-                self._renewal_failed(backend, leases, error, time.monotonic())
+                self._renewal_failed(backend, leases, error, runtime.monotonic())
                 continue
             self._abandoned.pop(backend, None)
             renewals.append(_Renewal(self, backend, leases))
         for renewal in renewals:
             # Not past the deadline: by then the keeper has flagged what it did not
             # confirm, and the store may have freed the key.
-            if not renewal.done.wait(max(0.0, renewal.deadline - time.monotonic())):
+            if not renewal.done.wait(max(0.0, renewal.deadline - runtime.monotonic())):
                 self._abandoned[renewal.backend] = renewal
                 error = BackendUnavailable(
                     "the store did not answer before the lease's deadline", renewal.backend.safe_url
@@ -265,7 +264,7 @@ class Heartbeat:
             else:
                 outage.delay = min(outage.delay * 2, ceiling)
                 outage.attempts += 1
-            outage.due = time.monotonic() + outage.delay
+            outage.due = runtime.monotonic() + outage.delay
         if first:
             expires_in = min(lease.deadline for lease in alive) - started
             logger.warning(

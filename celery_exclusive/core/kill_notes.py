@@ -27,9 +27,10 @@ import logging
 import os
 import stat
 import tempfile
-import time
 from dataclasses import dataclass
 from typing import Optional
+
+from .. import runtime
 
 __all__ = ["KillNote", "note_kill", "take_kill_note", "notes_dir"]
 
@@ -84,9 +85,9 @@ def note_kill(call_id: Optional[str], arguments: Optional[str] = None) -> None:
     try:
         _ensure_private(notes_dir())
         path = _note_path(call_id)
-        scratch = f"{path}.{os.getpid()}"
+        scratch = f"{path}.{runtime.getpid()}"
         with open(scratch, "w") as note:
-            note.write(f"{os.getpid()} {os.getppid()}\n")
+            note.write(f"{runtime.getpid()} {runtime.getppid()}\n")
             if arguments is not None:
                 note.write(arguments)
         os.replace(scratch, path)
@@ -102,7 +103,7 @@ def note_kill(call_id: Optional[str], arguments: Optional[str] = None) -> None:
 
 def _sweep_stale(keep: str) -> None:
     """Remove the notes older than :data:`STALE_AFTER` (not ``keep``, just written)."""
-    too_old = time.time() - STALE_AFTER
+    too_old = runtime.wall() - STALE_AFTER
     with os.scandir(notes_dir()) as entries:
         for entry in entries:
             with contextlib.suppress(OSError):
@@ -128,6 +129,6 @@ def take_kill_note(call_id: Optional[str], pid: Optional[int] = None) -> Optiona
         killed, parent = (int(part) for part in pids.split())
     except ValueError:
         return None
-    if parent != os.getpid() or (pid is not None and killed != pid):
+    if parent != runtime.getpid() or (pid is not None and killed != pid):
         return None
     return KillNote(arguments or None)

@@ -14,12 +14,10 @@ import dataclasses
 import logging
 import os
 import socket
-import threading
-import time
 from collections.abc import Iterator, Mapping
 from typing import Any, Callable, Optional
 
-from .. import signals
+from .. import runtime, signals
 from ..backends import NO_END, Backend, End, Lease, MarkRead
 from ..backends.base import require
 from ..errors import LOSS_ADVICE, BackendUnavailable, ExclusiveError, LeaseLost
@@ -54,7 +52,7 @@ class HeldLease:
         self.grant = grant
         self.name = name
         self.task_id = task_id
-        self.acquired_at = time.monotonic()
+        self.acquired_at = runtime.monotonic()
         #: When the last renewal the store accepted was sent (monotonic): the store
         #: keeps the lease at least ``ttl`` past this. Callers set ``acquired_at`` and
         #: this to when the grant was sent.
@@ -71,10 +69,10 @@ class HeldLease:
         #: Whether the release made its end's write (the body's result, stored with it).
         self.written = False
         self._listeners: list[LossListener] = []
-        self._loss_lock = threading.Lock()
+        self._loss_lock = runtime.Lock()
         #: Set once the loss has been logged, signalled and told to the listeners; the
         #: thread doing that is ``_announcer``.
-        self._announced = threading.Event()
+        self._announced = runtime.Event()
         self._announcer: Optional[int] = None
 
     @property
@@ -113,7 +111,7 @@ class HeldLease:
         if self.lost_reason is not None:
             return True
         ended_at = self.ended_at
-        return (time.monotonic() if ended_at is None else ended_at) >= self.deadline
+        return (runtime.monotonic() if ended_at is None else ended_at) >= self.deadline
 
     def expire(self) -> None:
         """Flag the lease lost if its deadline passed before its body ended (what the
@@ -256,7 +254,7 @@ class HeldLease:
         """Before a release is sent: the body has ended, and no renewal may race the
         release and find the lease gone. The deadline keeper keeps watching until the
         store answers; a deadline that passes now is no loss of the body's."""
-        self.ended_at = time.monotonic()
+        self.ended_at = runtime.monotonic()
         self.expire()  # a deadline passed before the body ended: that is a loss
         self.released = True
         heartbeat().discard(self)
@@ -276,7 +274,7 @@ class HeldLease:
                 self.key,
                 self.task_id,
             )
-        elif not freed and self.lost_reason is None and time.monotonic() >= self.deadline:
+        elif not freed and self.lost_reason is None and runtime.monotonic() >= self.deadline:
             # The body ended before the deadline, the release reached the store after it:
             # the store let the lease expire meanwhile, and nobody held the key while the
             # body ran. Late, not lost.
@@ -301,7 +299,7 @@ class HeldLease:
                 sender=self.name,
                 key=self.key,
                 task_id=self.task_id,
-                held_for=time.monotonic() - self.acquired_at,
+                held_for=runtime.monotonic() - self.acquired_at,
             )
 
     def on_loss(self, listener: LossListener) -> None:
@@ -338,7 +336,7 @@ class HeldLease:
             flagged_elsewhere = self.lost_reason is not None
             if not flagged_elsewhere:
                 self.lost_reason, self.lost_cause = reason, cause
-                self._announcer = threading.get_ident()
+                self._announcer = runtime.get_ident()
                 listeners, self._listeners = self._listeners, []
         if flagged_elsewhere:
             self._await_announcement()
@@ -367,7 +365,7 @@ class HeldLease:
     def _await_announcement(self) -> None:
         """Wait until the thread announcing the loss is done (not in that thread itself:
         a listener may look at the lease)."""
-        if self._announcer != threading.get_ident():
+        if self._announcer != runtime.get_ident():
             self._announced.wait(ANNOUNCE_WAIT)
 
     def __repr__(self) -> str:
@@ -432,7 +430,7 @@ def acquire(
     if limit > 1:
         require(backend, "limits", key)
     record = _record(name, task_id, ttl, limit, holder)
-    sent_at = time.monotonic()
+    sent_at = runtime.monotonic()
     grant = backend.try_acquire(key, new_owner(), ttl, limit, record, claimant, read)
     if read is not None and not read.done:
         try:
@@ -459,8 +457,8 @@ def _record(
         "task": name,
         "task_id": task_id,
         "hostname": HOSTNAME,
-        "pid": os.getpid(),
-        "acquired_at": time.time(),
+        "pid": runtime.getpid(),
+        "acquired_at": runtime.wall(),
         "ttl": ttl,
         "limit": limit,
         **(holder or {}),

@@ -42,10 +42,10 @@ import asyncio
 import dataclasses
 import functools
 import inspect
-import threading
 from contextvars import ContextVar
 from typing import Any, Callable, Optional, TypeVar
 
+from .. import runtime
 from ..backends import Backend, backend_for_url
 from ..errors import ConfigurationError, ExclusiveError, LeaseLost, LockHeld
 from . import holders, policies
@@ -254,7 +254,7 @@ def _caller() -> int:
         task = asyncio.current_task()
     except RuntimeError:  # no event loop in this thread
         task = None
-    return id(task) if task is not None else threading.get_ident()
+    return id(task) if task is not None else runtime.get_ident()
 
 
 def _release_if_granted(taking: asyncio.Future) -> None:

@@ -18,9 +18,9 @@ long) are ``expired`` by construction.
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
+from .. import runtime
 from ..errors import ExclusiveError
 from . import marks
 
@@ -33,7 +33,7 @@ def cause_of(lease: WatchedLease) -> str:
     try:
         if marks.released_by_operator(lease.backend, lease.key, lease.fencing_token):
             return "released"
-        if time.monotonic() >= lease.deadline:
+        if runtime.monotonic() >= lease.deadline:
             return "expired"
         holders = lease.backend.holders_of(lease.key)
     except ExclusiveError:

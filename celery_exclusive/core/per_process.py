@@ -4,9 +4,9 @@ child, a work horse) gets a fresh one rather than its parent's, whose thread is 
 
 from __future__ import annotations
 
-import os
-import threading
 from typing import Callable, Generic, Optional, TypeVar
+
+from .. import runtime
 
 T = TypeVar("T")
 
@@ -17,18 +17,18 @@ class PerProcess(Generic[T]):
     def __init__(self, make: Callable[[], T]) -> None:
         self._make = make
         self._made: Optional[tuple[int, T]] = None  # (pid, what was made there)
-        self._lock = threading.Lock()
+        self._lock = runtime.Lock()
 
     def __call__(self) -> T:
         made = self._made
-        if made is None or made[0] != os.getpid():
+        if made is None or made[0] != runtime.getpid():
             with self._lock:
                 made = self._made
-                if made is None or made[0] != os.getpid():
-                    made = self._made = (os.getpid(), self._make())
+                if made is None or made[0] != runtime.getpid():
+                    made = self._made = (runtime.getpid(), self._make())
         return made[1]
 
     def made_here(self) -> Optional[T]:
         """This process's object if it was made already, else None (nothing is made)."""
         made = self._made
-        return made[1] if made is not None and made[0] == os.getpid() else None
+        return made[1] if made is not None and made[0] == runtime.getpid() else None

@@ -13,12 +13,11 @@ here knows Celery or RQ; what the host can do with the answer is the engine's to
 from __future__ import annotations
 
 import random
-import time
 import uuid
 from dataclasses import dataclass, replace
 from typing import Callable, Optional, Union
 
-from .. import signals
+from .. import runtime, signals
 from ..backends import Backend, MarkRead
 from ..errors import ConfigurationError
 from . import feed, holders, marks
@@ -270,12 +269,12 @@ def wait_for(
     returned; with ``keep_place`` it keeps its place for that many seconds instead.
     """
     claimant = task_id or uuid.uuid4().hex  # a direct call has no task id
-    deadline = time.monotonic() + settings.wait_timeout
+    deadline = runtime.monotonic() + settings.wait_timeout
     grace, beat = settings.lease_ttl, settings.lease_ttl / 3
     marks.take_place(backend, key, claimant, grace, priority)
-    renewed_at, pause = time.monotonic(), SPIN_PAUSE
+    renewed_at, pause = runtime.monotonic(), SPIN_PAUSE
     while True:
-        now = time.monotonic()
+        now = runtime.monotonic()
         if now >= deadline:
             if keep_place is None:
                 marks.leave_line(backend, key, claimant)
@@ -289,10 +288,10 @@ def wait_for(
         lease = _try(settings, backend, key, name, task_id, claimant)
         if lease is not None:
             return lease  # the grant took this caller out of the line
-        if time.monotonic() - now < SPIN_PAUSE:
+        if runtime.monotonic() - now < SPIN_PAUSE:
             # The store said the key was free for us, yet the grant was refused (Consul's
             # lock delay, a grant racing ours): do not spin on it.
-            time.sleep(pause)
+            runtime.sleep(pause)
             pause = min(pause * 2, beat)
         else:
             pause = SPIN_PAUSE

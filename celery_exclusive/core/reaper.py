@@ -13,10 +13,9 @@ seen from here.
 from __future__ import annotations
 
 import logging
-import os
-import time
 from typing import Optional
 
+from .. import runtime
 from ..backends import Backend, Lease
 from ..errors import ExclusiveError
 from .lease import HOSTNAME
@@ -66,9 +65,9 @@ def release_when_gone(
 ) -> None:
     """Release ``lease`` once process ``pid`` has ended; after ``patience`` seconds of
     it still running, leave the lease to expire instead."""
-    deadline = time.monotonic() + patience
+    deadline = runtime.monotonic() + patience
     while pid and alive(pid):
-        if time.monotonic() >= deadline:
+        if runtime.monotonic() >= deadline:
             logger.warning(
                 "lease of lost task %s on %s left to expire: process %s still running",
                 task_id,
@@ -76,7 +75,7 @@ def release_when_gone(
                 pid,
             )
             return
-        time.sleep(0.02)
+        runtime.sleep(0.02)
     try:
         if backend.release(lease):
             logger.warning("released lease key=%s of lost task_id=%s", lease.key, task_id)
@@ -87,7 +86,7 @@ def release_when_gone(
 def alive(pid: int) -> bool:
     """Whether process ``pid`` of this host still runs (a zombie does not)."""
     try:
-        os.kill(pid, 0)
+        runtime.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:

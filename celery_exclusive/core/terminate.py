@@ -45,15 +45,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import signal
 import sys
-import threading
-import time
 from typing import Any, Callable, Optional
 
+from .. import runtime
 from . import kill_notes
 from .lease import HeldLease
+from .per_process import PerProcess
 
 __all__ = ["INTERRUPT_SIGNAL", "DEFAULT_GRACE", "stop_on_loss", "can_interrupt"]
 
@@ -91,7 +90,7 @@ class _Stopper:
         #: What the kill note carries for the parent, which sends the call again: the
         #: arguments (JSON) of the pending rerun the body runs as, if it does.
         self.arguments = arguments
-        self.pid = os.getpid()
+        self.pid = runtime.getpid()
         #: True from the start of the body to its end; the signal handler and the
         #: grace timer act only while it is.
         self.running = True
@@ -127,7 +126,7 @@ class _Stopper:
         )
         self.timer = _GraceTimer(self.grace, self.overdue)
         self.timer.start()
-        os.kill(self.pid, INTERRUPT_SIGNAL)
+        runtime.kill(self.pid, INTERRUPT_SIGNAL)
 
     def overdue(self) -> None:
         """The grace period ended: kill the process if the body is still running."""
@@ -147,7 +146,7 @@ class _Stopper:
             for handler in logging.getLogger().handlers + logger.handlers:
                 with contextlib.suppress(Exception):
                     handler.flush()
-            os.kill(self.pid, signal.SIGKILL)
+            runtime.kill(self.pid, signal.SIGKILL)
         else:
             logger.error(
                 "%s did not stop within %.1fs of losing its lease on %r and runs in the "
@@ -170,7 +169,7 @@ class _Stopper:
         try:
             if self.interrupt:
                 _install_handler()
-                _running.append(self)
+                _running().append(self)
             lease.on_loss(self.lost)
         except BaseException:
             self.__exit__(None, None, None)
@@ -185,12 +184,13 @@ class _Stopper:
         finally:
             self.finish()
             self.lease.remove_loss_listener(self.lost)
-            if self in _running:
-                _running.remove(self)
+            running = _running()
+            if self in running:
+                running.remove(self)
         return False
 
 
-class _GraceTimer(threading.Thread):
+class _GraceTimer:
     """Calls ``overdue`` once the process has *run* for ``grace`` seconds; ``cancel()``
     stops it.
 
@@ -209,10 +209,13 @@ class _GraceTimer(threading.Thread):
     PAUSE = 0.25
 
     def __init__(self, grace: float, overdue: Callable[[], None]) -> None:
-        super().__init__(name="celery-exclusive-grace", daemon=True)
         self.grace = grace
         self.overdue = overdue
-        self.cancelled = threading.Event()
+        self.cancelled = runtime.Event()
+        self._thread = runtime.Thread(target=self.run, name="celery-exclusive-grace", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -221,19 +224,19 @@ class _GraceTimer(threading.Thread):
         ran = 0.0
         while ran < self.grace:
             wait = min(self.STEP, self.grace - ran)
-            started, cpu = time.monotonic(), time.process_time()
+            started, cpu = runtime.monotonic(), runtime.process_time()
             if self.cancelled.wait(wait):
                 return
-            took = time.monotonic() - started
+            took = runtime.monotonic() - started
             late = took - wait
-            paused = late > self.PAUSE and time.process_time() - cpu < late / 2
+            paused = late > self.PAUSE and runtime.process_time() - cpu < late / 2
             ran += wait if paused else took
         if not self.cancelled.is_set():
             self.overdue()
 
 
 #: Bodies of this process's main thread under stop_on_loss, innermost last.
-_running: list[_Stopper] = []
+_running: PerProcess[list[_Stopper]] = PerProcess(list)
 #: The handlers HANDLED_SIGNALS had before ours, for signals that are not ours.
 _previous_handlers: dict[int, Any] = {}
 _installed_in: Optional[int] = None
@@ -241,7 +244,7 @@ _installed_in: Optional[int] = None
 
 def _on_interrupt(signum: int, frame: Any) -> None:
     ours = False
-    for stopper in reversed(_running):
+    for stopper in reversed(_running()):
         # A plain read, and an error built without the lease's lock, which the
         # interrupted code could hold; the keeper thread flags and signals the loss.
         if stopper.running and stopper.lease.lost:
@@ -267,19 +270,19 @@ def _install_handler() -> None:
     on its way: under the default disposition, SIGUSR2 terminates the process.
     """
     global _installed_in
-    if _installed_in == os.getpid():
+    if _installed_in == runtime.getpid():
         return
     for signum in HANDLED_SIGNALS:
         previous = signal.getsignal(signum)
         _previous_handlers[signum] = None if previous is _on_interrupt else previous
         signal.signal(signum, _on_interrupt)
-    _installed_in = os.getpid()
+    _installed_in = runtime.getpid()
 
 
 def can_interrupt() -> bool:
     """Whether a body running in the calling thread can be interrupted by a signal:
     the main thread of a process that does not run greenlets."""
-    return threading.current_thread() is threading.main_thread() and not _green()
+    return runtime.in_main_thread() and not _green()
 
 
 def _green() -> bool:

@@ -480,6 +480,6 @@ def test_an_interrupt_landing_as_the_body_exits_still_ends_the_attempt_and_its_s
     with pytest.raises(LeaseLost):
         attempt.run(call, host, lambda args, kwargs: None)
     assert interrupted
-    assert terminate._running == []  # the stopper left, its grace timer cancelled
+    assert terminate._running() == []  # the stopper left, its grace timer cancelled
     assert attempt.current() is None
     assert backend_for_url(memory_url).holders_of(call.key) == []

@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[2] / PACKAGE
 LAYERS = {
     "errors": 0,
     "signals": 0,
+    "runtime": 0,
     "backends": 1,
     "core": 2,
     "engine": 3,
@@ -179,6 +180,7 @@ ALLOWED_HOSTS = {
     # client has; the signals are Celery's dispatcher, which users connect to.
     "errors": {"kombu"},
     "signals": {"celery"},
+    "runtime": set(),
     "backends": set(),
     "core": set(),
     # A pending rerun's arguments are kept as kombu's JSON, as Celery's messages are.
