@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .. import runtime
 from ..errors import BackendUnavailable, ExclusiveError
+from .outcomes import Coalesced, Requeue, Skipped
 from .per_process import PerProcess
 
 if TYPE_CHECKING:
@@ -49,13 +50,12 @@ FLUSH_DELAY = 0.2
 #: Seconds between attempts while the store does not answer: doubling up to the last.
 RETRY_FIRST, RETRY_MAX = 1.0, 30.0
 
-#: The outcomes of ``policies.claim`` that are reported, by class name (this module
-#: sits below the policies and does not import them), and the field naming whom the
+#: The outcomes of ``policies.claim`` that are reported, and the field naming whom the
 #: duplicate yielded to.
-OUTCOMES = {
-    "Skip": ("skipped", "holder_task_id"),
-    "Requeue": ("requeued", "holder_task_id"),
-    "Coalesce": ("coalesced", "rerun_task_id"),
+OUTCOMES: dict[type, tuple[str, str]] = {
+    Skipped: ("skipped", "holder_task_id"),
+    Requeue: ("requeued", "holder_task_id"),
+    Coalesced: ("coalesced", "rerun_task_id"),
 }
 
 HOSTNAME = socket.gethostname()
@@ -190,7 +190,7 @@ def reported(claim: Callable[..., Any]) -> Callable[..., Any]:
         **kwargs: Any,
     ) -> Any:
         outcome = claim(settings, backend, key, name, task_id, *args, **kwargs)
-        reported_as = OUTCOMES.get(type(outcome).__name__)
+        reported_as = OUTCOMES.get(type(outcome))
         if reported_as is not None:
             kind, whom = reported_as
             fields = {"task": name, "task_id": task_id, "other": getattr(outcome, whom, None)}

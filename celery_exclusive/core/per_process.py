@@ -12,23 +12,31 @@ T = TypeVar("T")
 
 
 class PerProcess(Generic[T]):
-    """Call it for this process's ``make()``: one read and one comparison once made."""
+    """Call it for this process's ``make()``: one dictionary lookup once made.
+
+    Kept by process id: a forked child finds no object of its own under its pid, and
+    makes one (the parent's entry it inherited is never used); the simulation runs many
+    processes in one and each finds its own."""
 
     def __init__(self, make: Callable[[], T]) -> None:
         self._make = make
-        self._made: Optional[tuple[int, T]] = None  # (pid, what was made there)
+        self._made: dict[int, T] = {}
         self._lock = runtime.Lock()
 
     def __call__(self) -> T:
-        made = self._made
-        if made is None or made[0] != runtime.getpid():
+        pid = runtime.getpid()
+        made = self._made.get(pid)
+        if made is None:
             with self._lock:
-                made = self._made
-                if made is None or made[0] != runtime.getpid():
-                    made = self._made = (runtime.getpid(), self._make())
-        return made[1]
+                made = self._made.get(pid)
+                if made is None:
+                    made = self._made[pid] = self._make()
+        return made
 
     def made_here(self) -> Optional[T]:
         """This process's object if it was made already, else None (nothing is made)."""
-        made = self._made
-        return made[1] if made is not None and made[0] == runtime.getpid() else None
+        return self._made.get(runtime.getpid())
+
+    def forget(self) -> None:
+        """Drop every process's object (the simulation, between two schedules)."""
+        self._made.clear()
