@@ -18,13 +18,13 @@ a grant), :class:`LeaseInfo` and :class:`HoldersPage` (what the operators see).
 from __future__ import annotations
 
 import abc
-import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, Union
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
+from .. import runtime
 from ..errors import BackendUnavailable, ConfigurationError, ExclusiveError
 
 
@@ -153,7 +153,7 @@ class LeaseInfo:
     @property
     def age(self) -> Optional[float]:
         acquired_at = self.holder.get("acquired_at")
-        return None if acquired_at is None else max(0.0, time.time() - acquired_at)
+        return None if acquired_at is None else max(0.0, runtime.wall() - acquired_at)
 
 
 @dataclass(frozen=True)
@@ -480,7 +480,7 @@ class Backend(abc.ABC):
         the store's is one. Stores that share the host's clock (SQLite, memory) keep
         this default.
         """
-        return time.time()
+        return runtime.wall()
 
     def check(self, probe_key: str) -> list[str]:
         """Check, once at worker (or beat) start, that leases can be kept here.

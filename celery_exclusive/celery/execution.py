@@ -27,7 +27,7 @@ import functools
 import logging
 import os
 import threading
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, NoReturn, Optional
 
 from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
@@ -45,6 +45,11 @@ REQUEUES_HEADER = "exclusive_requeues"
 #: Message header set on a call sent again after its lease was lost: it resumes a run
 #: that started, and is no duplicate of the holder it meets.
 RESUMED_HEADER = "exclusive_resumed"
+#: Message header of a copy set aside while another delivery of its call ran.
+SET_ASIDE_HEADER = "exclusive_set_aside"
+#: Message header of a call sent again under ``rerun``: when the change its arguments
+#: carry first reached the library (``attempt.Call.as_of``).
+AS_OF_HEADER = "exclusive_as_of"
 
 #: The broker's visibility timeout when ``broker_transport_options`` sets none
 #: (kombu's Redis and SQS transports: one hour).
@@ -130,6 +135,8 @@ def _call_exclusive(
         requeues=requeues_of(request),
         retries=request.retries or 0,
         resumed=bool(_header(request, RESUMED_HEADER, False)),
+        set_aside=bool(_header(request, SET_ASIDE_HEADER, False)),
+        as_of=stamp_of(request),
     )
     outcome = attempt.run(the_call, host_of(task, request, settings), lambda a, k: body(*a, **k))
     handler = CeleryOutcomes(task)
@@ -266,6 +273,8 @@ class CeleryOutcomes(outcomes.OutcomeHandler):
 
     def handle_gave_up(self, outcome: outcomes.GaveUp) -> NoReturn:
         name, task_id, key = self.task.name, self.request.id, outcome.key
+        if outcome.owed is not None:
+            send_owed_run(self.task, task_id, outcome.owed, "gave up")
         advice = "Raise exclusive_requeue_max_retries (None: no limit)."
         if outcome.cause == "unanswered":
             raise BackendUnavailable(
@@ -306,6 +315,9 @@ class CeleryOutcomes(outcomes.OutcomeHandler):
         request = self.request
         headers = dict(request.headers or {})
         headers[REQUEUES_HEADER] = outcome.requeues
+        headers[SET_ASIDE_HEADER] = True
+        if outcome.as_of is not None:
+            headers[AS_OF_HEADER] = outcome.as_of
         self.task.signature_from_request(
             request, countdown=outcome.countdown, headers=headers, retries=request.retries
         ).apply_async()
@@ -359,6 +371,8 @@ def send_again(task: Any, request: Any, outcome: outcomes.Requeue) -> Any:
     headers[REQUEUES_HEADER] = outcome.requeues
     if outcome.cause == "lost":
         headers[RESUMED_HEADER] = True
+    if outcome.as_of is not None:
+        headers[AS_OF_HEADER] = outcome.as_of
     signature = task.signature_from_request(
         request,
         args=outcome.args,  # None: the request's own
@@ -377,6 +391,23 @@ def send_again(task: Any, request: Any, outcome: outcomes.Requeue) -> Any:
         outcome.reason,
     )
     return signature
+
+
+def send_owed_run(task: Any, task_id: Optional[str], owed: outcomes.OwedRun, why: str) -> None:
+    """Send a new call of ``task`` for the run the pending rerun ``task_id`` owed the
+    duplicates that joined it, as it ``why`` (died, gave up) without running. It resumes
+    that run: no newer change's arguments are replaced when it joins a later one."""
+    headers: dict[str, Any] = {RESUMED_HEADER: True}
+    if owed.as_of is not None:
+        headers[AS_OF_HEADER] = owed.as_of
+    sent = task.apply_async(owed.args, owed.kwargs, headers=headers)
+    logger.warning(
+        "pending rerun %s[%s] %s; its run goes to %s (its duplicates are owed it)",
+        task.name,
+        task_id,
+        why,
+        sent.id,
+    )
 
 
 #: How a requeue is logged, by its cause.
@@ -422,6 +453,12 @@ def requeues_of(request: Any) -> int:
         return int(_header(request, REQUEUES_HEADER, 0))
     except (TypeError, ValueError):
         return 0
+
+
+def stamp_of(request: Any) -> Optional[float]:
+    """The call's :data:`AS_OF_HEADER`, if it has a readable one."""
+    value = _header(request, AS_OF_HEADER, None)
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 def _header(request: Any, name: str, default: Any) -> Any:

@@ -19,7 +19,7 @@ from celery.app.task import Context
 from kombu.utils.imports import symbol_by_name
 from kombu.utils.uuid import uuid
 
-from .. import signals
+from .. import runtime, signals
 from ..backends import Backend, backend_for_url
 from ..core import config, keys, marks
 from ..core.keys import KeyBinder, KeySpec, check_key_spec
@@ -211,6 +211,8 @@ class ExclusiveTask(Task):
             # attempt's message does not run it again).
             current.finish()
         settings = self.exclusive_settings
+        if settings.on_duplicate == "rerun":
+            options = stamped(options)
         if settings.scope == "run" or self.app.conf.task_always_eager:
             return super().apply_async(args, kwargs, task_id=task_id, **options)
         key = self.exclusive_key_for(tuple(args or ()), dict(kwargs or {}))
@@ -355,3 +357,15 @@ def _override_names(cls: type) -> list[str]:
             if attribute.startswith("exclusive_") and not hasattr(ExclusiveTask, attribute):
                 names.append(attribute[len("exclusive_") :])
     return names
+
+
+def stamped(options: dict[str, Any]) -> dict[str, Any]:
+    """``apply_async``'s options, with the header that says when the change the call
+    carries was sent (``execution.AS_OF_HEADER``, this host's clock), unless it has one:
+    under ``rerun`` it orders the changes that join a pending rerun, whatever
+    redeliveries and requeues do to the order in which they reach a worker."""
+    headers = dict(options.get("headers") or {})
+    if execution.AS_OF_HEADER in headers:
+        return options
+    headers[execution.AS_OF_HEADER] = runtime.wall()
+    return {**options, "headers": headers}

@@ -108,7 +108,11 @@ class ExclusiveRequest(Request):
         try:
             key = task.exclusive_key_for(tuple(self.args or ()), dict(self.kwargs or {}))
             outcome = attempt.rerun_of_killed(
-                task.exclusive_settings, key, execution.requeues_of(request), note.arguments
+                task.exclusive_settings,
+                key,
+                execution.requeues_of(request),
+                note.arguments,
+                execution.stamp_of(request),
             )
             if outcome is None:
                 return False
@@ -209,14 +213,7 @@ class ExclusiveRequest(Request):
         try:
             owed = attempt.owed_rerun(task.exclusive_backend, key, self.id)
             if owed is not None:
-                args, kwargs = owed
-                sent = task.apply_async(args, kwargs)
-                logger.warning(
-                    "pending rerun %s[%s] died; its run goes to %s (its duplicates are owed it)",
-                    task.name,
-                    self.id,
-                    sent.id,
-                )
+                execution.send_owed_run(task, self.id, owed, "died")
         except ExclusiveError as exc:
             logger.warning("could not hand on the pending rerun of lost task %s: %s", self.id, exc)
 

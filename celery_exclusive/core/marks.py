@@ -54,6 +54,10 @@ RELEASED_TTL = 24 * 3600.0
 #: nobody saw it end (its whole host lost), and must outlast the longest run.
 RESUME_TTL = 24 * 3600.0
 
+#: How long a pending rerun's mark lasts unrefreshed: the arguments in it are a run
+#: owed to the duplicates that joined it, however long its task takes to come back.
+RERUN_TTL = 24 * 3600.0
+
 #: Compare-and-swap attempts before concluding the store is too contended to answer.
 ATTEMPTS = 20
 
@@ -70,8 +74,11 @@ def join_rerun(
     """Make ``task_id`` the pending rerun of ``key``, or join the one already pending.
 
     Returns the task id of the pending rerun. Joining refreshes the mark's ttl and,
-    with ``latest``, hands the pending task this caller's ``arguments`` (so the
-    follow-up sees the newest change); the pending task keeps its own place either way.
+    with ``latest``, hands the pending task this caller's ``arguments`` if they are the
+    newer change (:func:`changed_at`: a duplicate that comes back from a requeue, or a
+    run owed to a dead pending rerun, carries an older change than one that joined
+    meanwhile, and never replaces it), so the follow-up sees the newest change; the
+    pending task keeps its own place either way.
 
     A pending rerun that is no longer alive (see :func:`_alive`) is not joined: its
     task died while it waited, or never came back from a requeue, and nothing would
@@ -87,10 +94,15 @@ def join_rerun(
         if pending is None or (
             pending["task_id"] != task_id and not _alive(backend, key, pending, now)
         ):
-            return json.dumps({"task_id": task_id, "arguments": arguments, "until": now + grace})
+            # A dead pending rerun's run is owed to its duplicates: its place goes to
+            # this caller, with the newer of the two changes (a run with it covers both).
+            newest = arguments
+            if pending is not None and changed_at(pending["arguments"]) > changed_at(arguments):
+                newest = pending["arguments"]
+            return json.dumps({"task_id": task_id, "arguments": newest, "until": now + grace})
         if pending["task_id"] == task_id:
             pending["until"] = now + grace  # its own task is back: alive again
-        elif latest:
+        elif latest and changed_at(arguments) >= changed_at(pending["arguments"]):
             pending["arguments"] = arguments
         return json.dumps(pending)
 
@@ -126,9 +138,33 @@ def take_rerun(backend: Backend, key: str, task_id: str) -> Optional[str]:
         pending = _pending(current)
         if pending is None or pending["task_id"] != task_id:
             return None
-        if backend.swap_mark(key, RERUN, current, None, 0):
-            return pending["arguments"]
+        try:
+            if backend.swap_mark(key, RERUN, current, None, 0):
+                return pending["arguments"]
+        except BackendUnavailable as exc:
+            raise LostTake(exc, pending["arguments"]) from None
     raise _contended(backend, key, RERUN)
+
+
+class LostTake(BackendUnavailable):
+    """The swap that took a pending rerun's arguments went unanswered: it may have
+    taken them, and then they are nowhere but here. The call carries them on (sent again
+    with them, or run with them) rather than lose the change they hold."""
+
+    def __init__(self, error: BackendUnavailable, arguments: str) -> None:
+        super().__init__(str(error), error.url)
+        self.arguments = arguments
+
+
+def changed_at(arguments: str) -> float:
+    """When the change a call's arguments carry first reached the library (the store's
+    time, as the engine stamps them: ``engine.arguments.encode_call``); 0 for arguments
+    stamped by no one (an earlier version), which any stamped change is newer than."""
+    try:
+        stamp = json.loads(arguments).get("as_of")
+    except (ValueError, AttributeError):
+        return 0.0
+    return float(stamp) if isinstance(stamp, (int, float)) else 0.0
 
 
 def drop_dead_rerun(backend: Backend, key: str, task_id: str) -> Optional[str]:
@@ -168,26 +204,45 @@ def _alive(backend: Backend, key: str, pending: dict, now: float) -> bool:
 
 
 def take_place(
-    backend: Backend, key: str, claimant: str, grace: float, priority: bool = False
+    backend: Backend,
+    key: str,
+    claimant: str,
+    grace: float,
+    priority: bool = False,
+    away: bool = False,
 ) -> int:
     """Stand in the line of ``key`` for ``grace`` seconds, or renew one's place in it.
 
     A newcomer goes to the back, or with ``priority`` behind the priority callers
     already in line but ahead of everyone else. Returns the claimant's place
     (0: first). Entries whose ``until`` has passed are dropped on the way.
+
+    ``away``: the claimant keeps its place while its message is away on a requeue
+    (a priority call that waited in vain). It keeps it ahead of every call without
+    priority, but a priority call that stands waiting goes ahead of it: the one that
+    is away can only take its turn once a worker is free to run it again, and the
+    waiters ahead would otherwise hold every worker while they wait on it.
     """
 
     def update(current: Optional[str]) -> str:
         now = backend.store_time()
         entries = entries_of(current, now)
         mine = {"id": claimant, "until": now + grace, "priority": priority}
+        if away:
+            mine["away"] = True
         ids = [e["id"] for e in entries]  # of the live entries, not of ``current``
         if claimant in ids:
-            entries[ids.index(claimant)] = mine
+            place = ids.index(claimant)
+            entries[place] = mine
         elif priority:  # priority entries stay together at the front
-            entries.insert(sum(e.get("priority") is True for e in entries), mine)
+            place = sum(e.get("priority") is True for e in entries)
+            entries.insert(place, mine)
         else:
+            place = len(entries)
             entries.append(mine)
+        while priority and not away and place > 0 and entries[place - 1].get("away") is True:
+            entries[place - 1], entries[place] = entries[place], entries[place - 1]
+            place -= 1
         return json.dumps(entries)
 
     return ids_of(_swap(backend, key, LINE, update, lambda line: _line_ttl(backend, line))).index(

@@ -133,21 +133,37 @@ class Requeue:
     holder_task_id: Optional[str] = None
     args: Optional[tuple] = None
     kwargs: Optional[dict] = None
+    #: When the change the call's arguments carry first reached the library (under
+    #: ``rerun``): sent along, so that it never replaces a newer change when it comes back.
+    as_of: Optional[float] = None
 
     def carry_out(self, host: OutcomeHandler) -> Any:
         return host.handle_requeue(self)
 
 
 @dataclass(frozen=True)
+class OwedRun:
+    """The run a pending rerun that ends without running owed the duplicates that
+    joined it (it died, or gave up): a new call the host sends, resuming it, with these
+    arguments, whose change ``as_of`` stamped."""
+
+    args: tuple
+    kwargs: dict
+    as_of: Optional[float] = None
+
+
+@dataclass(frozen=True)
 class GaveUp:
     """The call was requeued ``requeues`` times (``requeue_max_retries``) and would be
-    again: it ends without running, with ``cause`` as for :class:`Requeue`."""
+    again: it ends without running, with ``cause`` as for :class:`Requeue`. If it was
+    the pending rerun of its key, the host sends a new call for the run it ``owed``."""
 
     key: str
     requeues: int
     reason: str
     cause: str
     holder_task_id: Optional[str] = None
+    owed: Optional[OwedRun] = None
 
     def carry_out(self, host: OutcomeHandler) -> Any:
         return host.handle_gave_up(self)
@@ -187,6 +203,8 @@ class SetAside:
     key: str
     countdown: float
     requeues: int
+    #: As for :class:`Requeue`.
+    as_of: Optional[float] = None
 
     def carry_out(self, host: OutcomeHandler) -> Any:
         return host.handle_set_aside(self)

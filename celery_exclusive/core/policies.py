@@ -19,7 +19,7 @@ from typing import Callable, Optional, Union
 
 from .. import runtime, signals
 from ..backends import Backend, MarkRead
-from ..errors import ConfigurationError
+from ..errors import BackendUnavailable, ConfigurationError
 from . import feed, holders, marks
 from .config import Settings
 from .lease import HeldLease, acquire
@@ -279,7 +279,7 @@ def wait_for(
             if keep_place is None:
                 marks.leave_line(backend, key, claimant)
             else:
-                marks.take_place(backend, key, claimant, keep_place, priority)
+                marks.take_place(backend, key, claimant, keep_place, priority, away=True)
             return None
         if now - renewed_at >= beat:
             marks.take_place(backend, key, claimant, grace, priority)
@@ -361,8 +361,14 @@ def _unless_ended(
         return run
     lease, finished = run.lease, run.finished
     if not run.finished_read:
-        with lease.released_on_error():
-            finished = marks.finished_mark(backend, lease.key, task_id)
+        try:
+            with lease.released_on_error():
+                finished = marks.finished_mark(backend, lease.key, task_id)
+        except BackendUnavailable as exc:
+            if run.arguments is None or isinstance(exc, marks.LostTake):
+                raise
+            # The pending rerun's arguments were taken: the call carries them on.
+            raise marks.LostTake(exc, run.arguments) from None
     if marks.ended(finished, retries, resumed):
         lease.release()
         return Dropped(lease.key)
@@ -370,10 +376,13 @@ def _unless_ended(
 
 
 def _pending_ttl(settings: Settings) -> float:
-    """How long a pending rerun's mark lasts unrefreshed: one wait, one requeue delay,
-    and a lease ttl of slack. Whether its task is still alive is decided sooner, by
-    the mark's own ``until`` and the key's line (``marks.join_rerun``)."""
-    return settings.wait_timeout + settings.requeue_max_delay + settings.lease_ttl
+    """How long a pending rerun's mark lasts unrefreshed: as long as the run it holds
+    may still be owed (:data:`marks.RERUN_TTL`). Whether its task is still alive is
+    decided sooner, by the mark's own ``until`` and the key's line
+    (``marks.join_rerun``): a task that comes back later than that, from behind a
+    backlog, finds the mark and takes its run with the newest arguments; a duplicate
+    that finds it not alive takes its place, and those arguments with it."""
+    return max(marks.RERUN_TTL, settings.wait_timeout + settings.requeue_max_delay)
 
 
 def _detected(

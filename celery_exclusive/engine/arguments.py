@@ -9,15 +9,22 @@ and any type a user registered with kombu come back as they went in.
 
 from __future__ import annotations
 
+from typing import Optional
+
 from kombu.utils.json import dumps, loads
 
 from ..errors import ExclusiveError
 
 
-def encode_call(name: str, args, kwargs) -> str:
-    """A call's arguments as JSON, for a pending rerun to run with."""
+def encode_call(name: str, args, kwargs, as_of: Optional[float] = None) -> str:
+    """A call's arguments as JSON, for a pending rerun to run with; ``as_of``: when the
+    change they carry first reached the library (``marks.changed_at`` reads it), which
+    orders changes that join the pending rerun out of order."""
+    call: dict = {"args": list(args), "kwargs": dict(kwargs)}
+    if as_of is not None:
+        call["as_of"] = as_of
     try:
-        return dumps({"args": list(args), "kwargs": dict(kwargs)})
+        return dumps(call)
     except TypeError as exc:
         raise ExclusiveError(
             f"{name}: on_duplicate='rerun' keeps the latest duplicate's arguments in the "

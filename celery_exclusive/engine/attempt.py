@@ -113,6 +113,13 @@ class Call:
     #: failed): meeting a holder now, it is no duplicate to skip, only late, so it is
     #: requeued under ``skip`` too.
     resumed: bool = False
+    #: Whether its message is a copy the library set aside while another delivery of
+    #: the call ran (:class:`~celery_exclusive.core.outcomes.SetAside`).
+    set_aside: bool = False
+    #: When the change its arguments carry first reached the library (the store's
+    #: time, stamped at its first attempt under ``rerun`` and sent along with every
+    #: requeue): orders the changes that join a pending rerun out of order. None: now.
+    as_of: Optional[float] = None
 
 
 _attempts: ContextVar[tuple[Attempt, ...]] = ContextVar("exclusive_attempts", default=())
@@ -176,6 +183,9 @@ class Attempt:
     def __init__(self, call: Call, host: Host) -> None:
         self.call = call
         self.host = host
+        #: When the change the call's arguments carry first reached the library (see
+        #: :attr:`Call.as_of`); stamped at its first attempt under ``rerun``.
+        self.as_of = call.as_of
         #: The lease the body runs under, once granted.
         self.lease: Optional[AnyLease] = None
         #: The call's finished mark as read when it took its key (with ``redelivery``):
@@ -242,14 +252,18 @@ class Attempt:
         try:
             arguments = None
             if rerun:
+                if self.as_of is None:
+                    # Its first attempt: the change it carries reaches the library now.
+                    self.as_of = call.backend.store_time()
                 arguments = self._resumed_arguments()
-                if arguments is not None:
-                    # It resumes a run that took the newest arguments when it took the
-                    # key: a duplicate pending since then brought newer ones, which it
-                    # joins without replacing them.
+                if arguments is None:
+                    arguments = encode_call(call.name, call.args, call.kwargs, self.as_of)
+                if call.resumed or self._resume is not None:
+                    # It resumes a run (one stopped, or one owed to the duplicates of a
+                    # pending rerun that died) whose arguments are those of an earlier
+                    # change: a duplicate pending since then brought newer ones, which it
+                    # joins without replacing them (a run with the newest covers it).
                     settings = dataclasses.replace(settings, rerun_args="first")
-                else:
-                    arguments = encode_call(call.name, call.args, call.kwargs)
             claimed = policies.claim(
                 settings,
                 call.backend,
@@ -272,6 +286,8 @@ class Attempt:
                 return claimed
         except BackendUnavailable as exc:
             return self._without_store(exc)
+        if isinstance(claimed, (outcomes.Requeue, outcomes.SetAside)):
+            claimed = dataclasses.replace(claimed, as_of=self.as_of)
         if isinstance(claimed, outcomes.Requeue):
             # A duplicate going back to the queue, if it has one and may go once more.
             if host.can_requeue:
@@ -291,10 +307,44 @@ class Attempt:
         if limit is not None and requeues >= limit:
             self._drop_resume()
             self._record_end_without_body()
+            self._leave_line()
             return outcomes.GaveUp(
-                requeue.key, requeues, requeue.reason, requeue.cause, requeue.holder_task_id
+                requeue.key,
+                requeues,
+                requeue.reason,
+                requeue.cause,
+                requeue.holder_task_id,
+                owed=self._owed_on_giving_up(),
             )
         return requeue
+
+    def _leave_line(self) -> None:
+        """A call that gives up gives up the place it kept in its key's line, too."""
+        call = self.call
+        if not call.task_id or not call.settings.priority:
+            return  # only a priority call keeps its place while away
+        # Else its place lapses by itself, within a requeue delay and a lease ttl.
+        with contextlib.suppress(ExclusiveError):
+            marks.leave_line(call.backend, call.key, call.task_id)
+
+    def _owed_on_giving_up(self) -> Optional[outcomes.OwedRun]:
+        """A call that gives up while it is the pending rerun of its key leaves the run
+        owed to the duplicates that joined it to a new call, as one that dies does."""
+        call = self.call
+        if call.settings.on_duplicate != "rerun" or not call.task_id:
+            return None
+        try:
+            return owed_rerun(call.backend, call.key, call.task_id)
+        except ExclusiveError as exc:
+            logger.warning(
+                "%s[%s] gave up as the pending rerun of %r and could not hand its run on "
+                "(%s): the duplicates that joined it run when a later one comes",
+                call.name,
+                call.task_id,
+                call.key,
+                exc,
+            )
+            return None
 
     def _wait_inline(self, reason: str, holder: Optional[str]) -> Union[outcomes.Waited, Granted]:
         """No queue to go back to: wait in the key's line instead, up to ``wait_timeout``."""
@@ -311,6 +361,9 @@ class Attempt:
         label = f"{call.name}[{call.task_id}]" if call.task_id else f"{call.name} (called directly)"
         message = f"{label}: cannot take the lease on {call.key!r}: {exc}"
         setting = f"{host.setting_prefix}on_backend_error"
+        taken = exc.arguments if isinstance(exc, marks.LostTake) else None
+        if taken is not None:
+            self._resume = taken  # what it runs with, or is sent again with
         if call.settings.on_backend_error == "run":
             logger.warning("%s -- running WITHOUT a lease (%s='run')", message, setting)
             return Unlocked(UnlockedLease(call.key, call.name, call.task_id, str(exc)))
@@ -319,9 +372,9 @@ class Attempt:
         logger.warning("%s -- requeued (%s='requeue')", message, setting)
         countdown = policies.requeue_delay(call.settings, call.requeues)
         reason = "the lease store did not answer"
-        return self._requeue(
-            outcomes.Requeue(call.key, countdown, reason, "unanswered", call.requeues + 1)
-        )
+        requeue = outcomes.Requeue(call.key, countdown, reason, "unanswered", call.requeues + 1)
+        requeue = _resumed(dataclasses.replace(requeue, as_of=self.as_of), taken)
+        return self._requeue(requeue)
 
     def _resumed_arguments(self) -> Optional[str]:
         """Where the call's message may come again (:attr:`Host.resumable`): the arguments
@@ -413,9 +466,8 @@ class Attempt:
         call = self.call
         reason = f"its lease was lost ({getattr(lease, 'lost_reason', None)})"
         countdown = policies.requeue_delay(call.settings, call.requeues)
-        return _resumed(
-            outcomes.Requeue(call.key, countdown, reason, "lost", call.requeues + 1), arguments
-        )
+        requeue = outcomes.Requeue(call.key, countdown, reason, "lost", call.requeues + 1)
+        return _resumed(dataclasses.replace(requeue, as_of=self.as_of), arguments)
 
     # --- the end ---------------------------------------------------------------------------
 
@@ -442,13 +494,19 @@ class Attempt:
                 if self._record_end_and_release(lease, write):
                     return
             except ExclusiveError as exc:
-                logger.warning(
-                    "could not record that %s[%s] ended (%s): a copy of its message "
-                    "delivered again may run it once more",
-                    call.name,
-                    call.task_id,
-                    exc,
-                )
+                # The step with the release went unanswered (the lease was then given
+                # back the plain way): the mark may be missing. Written on its own now
+                # it still keeps a copy delivered later from running once more.
+                try:
+                    self._mark_finished(lease)
+                except ExclusiveError:
+                    logger.warning(
+                        "could not record that %s[%s] ended (%s): a copy of its message "
+                        "delivered again may run it once more",
+                        call.name,
+                        call.task_id,
+                        exc,
+                    )
         lease.release(End(write=write))
         self.result_written = lease.written
 
@@ -459,12 +517,13 @@ class Attempt:
         (a second settlement of what ``skip`` kept from running twice) nor joins the
         pending rerun again (handing it older arguments than a later duplicate's).
 
-        Only for a message's first delivery (no requeues): a message the library sent
-        again (a copy set aside while its first delivery ran, a call resuming a stopped
-        run) may be a copy of an attempt that goes on elsewhere, whose next delivery
-        must not find it ended."""
+        Not for a copy the library set aside while its first delivery ran: it is a copy
+        of an attempt that may go on elsewhere, whose next delivery must not find it
+        ended. A call the library sent again otherwise (a requeued duplicate, a run
+        resumed or owed) is the one continuation of its call, and records its end as its
+        first delivery would (a resumed one ignores a duplicate's end: ``marks.ended``)."""
         call = self.call
-        if not (self.host.redelivery and call.task_id) or call.requeues:
+        if not (self.host.redelivery and call.task_id) or call.set_aside:
             return
         try:
             marks.mark_finished(
@@ -524,23 +583,37 @@ class Attempt:
             if lease.release(End(mark, write)) is not None:
                 self.result_written = lease.written
                 return True
-        marks.mark_finished(lease.backend, lease.key, task_id, call.retries, ttl)
+        self._mark_finished(lease)
         return False
 
+    def _mark_finished(self, lease: HeldLease) -> None:
+        """Record that this attempt ended, on its own (not with the release)."""
+        call = self.call
+        marks.mark_finished(
+            lease.backend, lease.key, call.task_id or "", call.retries, self.host.finished_ttl
+        )
 
-def owed_rerun(backend: Backend, key: str, task_id: Optional[str]) -> Optional[tuple[tuple, dict]]:
+
+def owed_rerun(backend: Backend, key: str, task_id: Optional[str]) -> Optional[outcomes.OwedRun]:
     """The call ``task_id`` died (its process killed, its job stopped) without ending
     its attempt: if it was the pending rerun of ``key``, the duplicates that joined it
-    are owed its run. Returns the arguments for the host to send a new call with (it
-    becomes the pending rerun, or runs), or None."""
+    are owed its run. Returns what the host sends a new call with (it becomes the
+    pending rerun, or runs), or None."""
     if not task_id:
         return None
     arguments = marks.drop_dead_rerun(backend, key, task_id)
-    return None if arguments is None else decode_call(arguments)
+    if arguments is None:
+        return None
+    args, kwargs = decode_call(arguments)
+    return outcomes.OwedRun(args, kwargs, marks.changed_at(arguments) or None)
 
 
 def rerun_of_killed(
-    settings: Settings, key: str, requeues: int, arguments: Optional[str] = None
+    settings: Settings,
+    key: str,
+    requeues: int,
+    arguments: Optional[str] = None,
+    as_of: Optional[float] = None,
 ) -> Optional[outcomes.Requeue]:
     """A call whose process was killed because its body did not stop within
     ``terminate_grace`` of losing its lease: it is sent again, as a body that stopped
@@ -548,13 +621,15 @@ def rerun_of_killed(
     that saw the process die. Returns the requeue, or None if the call stays failed.
 
     ``arguments``: those of the pending rerun the killed body ran as (JSON, as its kill
-    note carries them), which the call is sent again with; None: its own."""
+    note carries them), which the call is sent again with; None: its own, whose change
+    ``as_of`` stamped (:attr:`Call.as_of`)."""
     limit = settings.requeue_max_retries
     if not settings.requeue_lost or (limit is not None and requeues >= limit):
         return None
     reason = "its lease was lost and its process killed when its body did not stop"
     countdown = policies.requeue_delay(settings, requeues)
-    return _resumed(outcomes.Requeue(key, countdown, reason, "lost", requeues + 1), arguments)
+    requeue = outcomes.Requeue(key, countdown, reason, "lost", requeues + 1, as_of=as_of)
+    return _resumed(requeue, arguments)
 
 
 def _resumed(requeue: outcomes.Requeue, arguments: Optional[str]) -> outcomes.Requeue:
@@ -564,7 +639,8 @@ def _resumed(requeue: outcomes.Requeue, arguments: Optional[str]) -> outcomes.Re
     if arguments is None:
         return requeue
     args, kwargs = decode_call(arguments)
-    return dataclasses.replace(requeue, args=args, kwargs=kwargs)
+    as_of = marks.changed_at(arguments) or requeue.as_of
+    return dataclasses.replace(requeue, args=args, kwargs=kwargs, as_of=as_of)
 
 
 class _Holding:

@@ -39,6 +39,7 @@ from rq.registry import CanceledJobRegistry
 from rq.scheduler import RQScheduler
 from rq.worker import Worker
 
+from .. import runtime
 from ..backends import backend_for_url
 from ..core import config, kill_notes, outcomes, reaper
 from ..core.keys import build_key
@@ -89,6 +90,17 @@ class ExclusiveJob(Job):
     _exclusive_kill_read = False
     _exclusive_kill_rerun: Optional[outcomes.Requeue] = None
 
+    @classmethod
+    def create(cls, *args: Any, **kwargs: Any) -> ExclusiveJob:
+        """A new job, stamped with when its change was sent (``as_of`` in its record):
+        under ``rerun`` it orders the changes that join a pending rerun, whatever
+        retries and requeues do to the order in which they reach a worker."""
+        job = super().create(*args, **kwargs)
+        record = job.meta.setdefault(META_KEY, {})
+        if isinstance(record, dict):
+            record.setdefault("as_of", runtime.wall())
+        return job
+
     def perform(self) -> Any:
         self._exclusive_performed = True
         options = exclusive_options(self.func)
@@ -115,6 +127,7 @@ class ExclusiveJob(Job):
             # A retry of an attempt that ran (and failed, was killed or lost its lease) is
             # no duplicate: it meets a holder only because it comes back later.
             resumed=self._retrying(),
+            as_of=self._exclusive_as_of(),
         )
         synchronous = self._synchronous
         host = attempt.Host(
@@ -210,6 +223,12 @@ class ExclusiveJob(Job):
         except (TypeError, ValueError):
             return 0
 
+    def _exclusive_as_of(self) -> Optional[float]:
+        """When the change this job's arguments carry first reached the library, as an
+        earlier attempt stamped it (``attempt.Call.as_of``)."""
+        stamp = self._exclusive_meta().get("as_of")
+        return float(stamp) if isinstance(stamp, (int, float)) else None
+
     def _retrying(self) -> bool:
         """Whether an earlier attempt of this job got its lease and started the body
         (RQ's ``Retry`` of a failed attempt, a ``Repeat``, a requeue of a failed job)."""
@@ -229,12 +248,14 @@ class ExclusiveJob(Job):
     def _exclusive_record(self, outcome: str, key: str, **details: Any) -> dict[str, Any]:
         """Write what happened to ``job.meta["exclusive"]`` (saved at once) and return it.
 
-        The count of requeues, and whether this is a retry, carry over from the
-        record of the attempt before.
+        The count of requeues, whether this is a retry and when its change was sent
+        carry over from the record of the attempt before.
         """
         record = {"outcome": outcome, "key": key, "requeues": self._exclusive_requeues()}
         if self._retrying():
             record["retry"] = True
+        if self._exclusive_as_of() is not None:
+            record["as_of"] = self._exclusive_as_of()
         record.update(details)
         self.meta[META_KEY] = record
         self.save_meta()
@@ -276,6 +297,7 @@ class ExclusiveJob(Job):
             reason=outcome.reason,
             requeues=outcome.requeues,
             delay=countdown,
+            as_of=outcome.as_of,
         )
         logger.info(
             "%s key=%s job_id=%s in %.1fs%s: %s",
@@ -357,11 +379,18 @@ class ExclusiveJob(Job):
         else:
             queue.enqueue_job(self, pipeline=pipeline)
 
-    def _send_owed_rerun(self, args: tuple, kwargs: dict) -> None:
+    def _send_owed_rerun(self, owed: attempt.OwedRun) -> None:
         """This job died as the pending rerun of its key: the duplicates coalesced into
         it are owed a run, which a new job of the same function does."""
         queue = Queue(self.origin, connection=self.connection, job_class=type(self))
-        job = queue.enqueue_call(self.func_name, args=args, kwargs=kwargs, timeout=self.timeout)
+        # It resumes the dead run (a retry, to the engine): no newer change is replaced.
+        job = queue.enqueue_call(
+            self.func_name,
+            args=owed.args,
+            kwargs=owed.kwargs,
+            timeout=self.timeout,
+            meta={META_KEY: {"retry": True, "owed_by": self.id, **_stamp(owed.as_of)}},
+        )
         logger.warning(
             "pending rerun job %s died; its run goes to job %s (its duplicates are owed it)",
             self.id,
@@ -385,7 +414,7 @@ class ExclusiveJob(Job):
                 reaper.release_when_gone(backend, lease, pid, self.id, patience=0)
             owed = None if comes_back else attempt.owed_rerun(backend, key, self.id)
             if owed is not None:
-                self._send_owed_rerun(*owed)
+                self._send_owed_rerun(owed)
         except Exception as exc:  # never in the way of RQ's own failure handling
             logger.warning("could not free the lease of lost job %s: %s", self.id, exc)
 
@@ -423,6 +452,8 @@ class JobOutcomes(outcomes.OutcomeHandler):
         return self.job._requeue(self.settings, outcome)
 
     def handle_gave_up(self, outcome: outcomes.GaveUp) -> Any:
+        if outcome.owed is not None:
+            self.job._send_owed_rerun(outcome.owed)
         logger.warning(
             "%s gave up key=%s job_id=%s after %d requeues",
             "duplicate" if outcome.cause == "held" else "job",
@@ -458,3 +489,8 @@ class JobOutcomes(outcomes.OutcomeHandler):
 
     def handle_redelivered(self, outcome: outcomes.Redelivered) -> Any:
         raise outcome.error
+
+
+def _stamp(as_of: Optional[float]) -> dict[str, float]:
+    """A record's ``as_of``, where there is one to give."""
+    return {} if as_of is None else {"as_of": as_of}

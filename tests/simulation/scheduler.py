@@ -21,6 +21,7 @@ reaches anything).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 import signal as os_signal
@@ -149,6 +150,8 @@ class Scheduler:
         self.died: list[tuple[SimThread, BaseException]] = []
         #: Called after every step (a greenlet ran until it waited).
         self.after_step: Callable[[], None] = lambda: None
+        #: Called with a process once it was killed.
+        self.on_death: Callable[[SimProcess], None] = lambda process: None
         self.steps = 0
 
     # --- processes -----------------------------------------------------------------
@@ -186,16 +189,19 @@ class Scheduler:
         for thread in list(process.threads):
             if thread.greenlet is not None and not thread.finished and thread is not self._running:
                 self._unwind(thread)
+        self.on_death(process)
 
     def _unwind(self, thread: SimThread) -> None:
         """Throw Killed into a dead process's greenlet (its cleanup is inert)."""
         previous = self._running
         self._running = thread
         try:
-            if thread.greenlet is not None and not thread.greenlet.dead:
+            glet = thread.greenlet
+            if glet:  # started and not dead: an unstarted one simply never runs
                 # Back here when it has unwound, whoever asked (not to the root).
-                thread.greenlet.parent = greenlet.getcurrent()
-                thread.greenlet.throw(Killed)
+                glet.parent = greenlet.getcurrent()
+                with contextlib.suppress(Killed):
+                    glet.throw(Killed)
         finally:
             self._running = previous
             thread.finished = True
@@ -312,7 +318,10 @@ class Scheduler:
             upcoming = [
                 t.wake_at
                 for t in self.threads
-                if not t.finished and t.process.alive and t.wake_at is not None
+                if not t.finished
+                and t.process.alive
+                and not t.process.paused
+                and t.wake_at is not None
             ]
             upcoming += [p.paused_until for p in self.processes.values() if p.paused_until]
             upcoming += [when for when, _, _ in self._timers]
@@ -386,9 +395,9 @@ class Scheduler:
             if process is None:
                 raise ProcessLookupError(pid)
             sim.signal(process, signum)
-            if signum == os_signal.SIGKILL and sim._running is not None:
-                if sim._running.process is process:
-                    raise Killed
+            running = sim._running
+            if signum == os_signal.SIGKILL and running is not None and running.process is process:
+                raise Killed
 
         def in_main_thread() -> bool:
             return sim._running is not None and sim._running is sim._running.process.main

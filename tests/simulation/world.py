@@ -1,0 +1,761 @@
+"""One simulated world: a broker, Celery-like worker processes running the real engine,
+the simulated store, faults drawn from a seed, and the invariants checked after every
+step.
+
+The hosts are Celery's prefork children as the engine sees them (:func:`host_for`:
+``acks_late``, ``reject_on_worker_lost``, a child that may be killed) and what their
+worker's main process does when one dies (:meth:`World._child_died`, as
+:class:`celery_exclusive.celery.worker.ExclusiveRequest` does it: free what it held,
+send again a call killed for its lost lease, hand a dead pending rerun's run on). Each
+outcome is carried out as :class:`celery_exclusive.celery.execution.CeleryOutcomes`
+does: a requeue is a copy of the message with a countdown, a set-aside copy comes back
+later, a message rejected goes back to the queue.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from celery_exclusive import runtime, signals
+from celery_exclusive.backends import memory as memory_module
+from celery_exclusive.core import kill_notes, marks, outcomes, reaper
+from celery_exclusive.core.config import Settings
+from celery_exclusive.core.deadline import keeper
+from celery_exclusive.core.feed import feed
+from celery_exclusive.core.heartbeat import heartbeat
+from celery_exclusive.core.lease import HeldLease
+from celery_exclusive.core.terminate import _running as running_stoppers
+from celery_exclusive.engine import attempt
+from celery_exclusive.errors import DuplicateSkipped, ExclusiveError, LeaseLost
+
+from .scheduler import Killed, Scheduler, SimEvent
+from .store import LinkedStore, LinkFaults, SharedStore, Violation
+
+TASK = "sim.work"
+
+#: The ends a message may reach only one kind of (a copy set aside or dropped, a
+#: requeue, a process lost are on the way to one of them).
+TERMINAL = frozenset({"ran", "skipped", "coalesced", "gave up", "failed"})
+
+
+@dataclass
+class Config:
+    """One schedule's task options, workload and faults (all drawn from its seed)."""
+
+    on_duplicate: str = "skip"
+    limit: int = 1
+    priority: bool = False
+    acks_late: bool = False
+    reject_on_worker_lost: bool = False
+    requeue_lost: bool = True
+    on_lease_lost: str = "terminate"
+    terminate_grace: float = 1.0
+    lease_ttl: float = 3.0
+    wait_timeout: float = 2.0
+    requeue_max_retries: Optional[int] = None
+    #: Bodies call lease.ensure_held() before each step (else they rely on being stopped).
+    checking_bodies: bool = True
+    keys: int = 1
+    messages: int = 6
+    children: int = 2
+    #: Virtual seconds during which messages arrive and faults happen.
+    window: float = 20.0
+    #: The longest virtual time a schedule may take to settle once faults stop.
+    settle: float = 600.0
+    visibility_timeout: float = 30.0
+    link: LinkFaults = field(default_factory=LinkFaults)
+    kills: int = 0
+    pauses: int = 0
+    lost_acks: float = 0.0
+    #: Producers stamp their messages with when they sent them (ExclusiveTask's
+    #: apply_async does; a send_task by name does not).
+    stamped: bool = True
+
+    def settings(self) -> Settings:
+        return Settings(
+            backend_url="memory://",
+            lease_ttl=self.lease_ttl,
+            limit=self.limit,
+            on_duplicate=self.on_duplicate,  # type: ignore[arg-type]
+            priority=self.priority,
+            wait_timeout=self.wait_timeout,
+            requeue_delay=0.2,
+            requeue_max_delay=2.0,
+            requeue_max_retries=self.requeue_max_retries,
+            requeue_lost=self.requeue_lost,
+            on_lease_lost=self.on_lease_lost,  # type: ignore[arg-type]
+            terminate_grace=self.terminate_grace,
+        )
+
+
+def draw_config(rng) -> Config:
+    """A configuration from the seed: every policy and option, and a mix of faults."""
+    on_duplicate = rng.choice(["skip", "requeue", "wait", "rerun"])
+    acks_late = rng.random() < 0.5
+    ttl = rng.choice([2.0, 3.0, 5.0])
+    faulty = rng.random() < 0.8
+    link = LinkFaults()
+    if faulty:
+        link = LinkFaults(
+            lose_request=rng.choice([0.0, 0.02, 0.05]),
+            lose_answer=rng.choice([0.0, 0.02, 0.05]),
+            delay=rng.choice([0.0, 0.01, 0.1, ttl / 8]),
+            slow_share=rng.choice([0.0, 0.01]),
+            slow=ttl,
+        )
+    return Config(
+        on_duplicate=on_duplicate,
+        limit=rng.choice([1, 1, 1, 2]),
+        priority=rng.random() < 0.15,
+        acks_late=acks_late,
+        reject_on_worker_lost=acks_late and rng.random() < 0.5,
+        requeue_lost=rng.random() < 0.8,
+        on_lease_lost=rng.choice(["terminate", "terminate", "abort", "log"]),
+        terminate_grace=rng.choice([0.5, 1.0]),
+        lease_ttl=ttl,
+        wait_timeout=rng.choice([0.5, 2.0, 5.0]),
+        requeue_max_retries=rng.choice([None, None, 3]),
+        checking_bodies=rng.random() < 0.5,
+        keys=rng.choice([1, 1, 2]),
+        messages=rng.randint(2, 8),
+        children=rng.randint(1, 3),
+        window=rng.choice([10.0, 20.0]),
+        visibility_timeout=rng.choice([4 * ttl, 30.0]),
+        link=link,
+        kills=rng.choice([0, 0, 1, 2]) if faulty else 0,
+        pauses=rng.choice([0, 0, 1, 2]) if faulty else 0,
+        lost_acks=rng.choice([0.0, 0.0, 0.1]) if faulty and acks_late else 0.0,
+        stamped=rng.random() < 0.8,
+    )
+
+
+@dataclass
+class Message:
+    task_id: str
+    key: str
+    version: int
+    duration: float
+    requeues: int = 0
+    resumed: bool = False
+    retries: int = 0
+    #: (args, kwargs) sent instead of the message's own (a resumed pending rerun).
+    arguments: Optional[tuple] = None
+    #: The AS_OF_HEADER it was sent again with.
+    as_of: Optional[float] = None
+    #: The SET_ASIDE_HEADER.
+    set_aside: bool = False
+    eta: float = 0.0
+    seq: int = 0
+
+
+@dataclass
+class Body:
+    """One run of a body, as the ledger sees it."""
+
+    task_id: str
+    key: str
+    version: int
+    process: Any
+    lease: Any
+    started: float
+    ended: Optional[float] = None
+    how: str = ""
+    lost_at: Optional[float] = None
+    #: Its call's outcome was Ran: it ran to its end, the end recorded.
+    completed: bool = False
+
+
+class World:
+    def __init__(self, seed: int, config: Optional[Config] = None, trace_lines: int = 400) -> None:
+        self.seed = seed
+        self.scheduler = Scheduler(seed, self._note)
+        self.rng = self.scheduler.rng
+        self.config = config or draw_config(self.rng)
+        self.trace: deque[str] = deque(maxlen=trace_lines)
+        self.full_trace: Optional[list[str]] = None
+        self.settings = self.config.settings()
+        self.queue: list[Message] = []
+        self._seq = itertools.count()
+        self.unacked: dict[str, Message] = {}
+        self.queue_changed: Optional[SimEvent] = None
+        self.bodies: list[Body] = []
+        #: task id -> what became of its message(s): (time, kind, detail)
+        self.ends: dict[str, list[tuple[float, str, Any]]] = {}
+        self.arrived: dict[str, tuple[float, str, int]] = {}
+        #: Calls the worker sends for the runs dead pending reruns owed, as ``arrived``.
+        self.owed: dict[str, tuple[float, str, int]] = {}
+        self.children: list[Any] = []
+        self.running: dict[int, Message] = {}
+        self.losses: dict[int, float] = {}
+        #: What the library said at WARNING and above.
+        self.warnings: list[str] = []
+        self.faults_until = self.config.window
+
+    # --- the trace ---------------------------------------------------------------------
+
+    def _note(self, line: str) -> None:
+        self.trace.append(line)
+        if self.full_trace is not None:
+            self.full_trace.append(line)
+
+    def note(self, text: str) -> None:
+        self._note(f"{self.scheduler.now:9.3f} {text}")
+
+    # --- the run -----------------------------------------------------------------------
+
+    def run(self) -> None:
+        name = f"sim-{self.seed}"
+        # The library's own draws (a requeue's jitter) come from the seed too.
+        saved_random = random.getstate()
+        random.seed(self.seed)
+        try:
+            self._run_installed(name)
+        finally:
+            random.setstate(saved_random)
+
+    def _run_installed(self, name: str) -> None:
+        scheduler, config = self.scheduler, self.config
+        with scheduler.installed():
+            self.store = SharedStore(scheduler, name)
+            self.store.faults = config.link
+            self.store.faults_on = True
+            self.queue_changed = SimEvent()
+            receiver = self._on_loss
+            signals.lease_lost.connect(receiver)
+            library = logging.getLogger("celery_exclusive")
+            handler = _TraceHandler(self)
+            library.addHandler(handler)
+            propagate, library.propagate = library.propagate, False
+            try:
+                self._plan()
+                scheduler.after_step = self.check
+                scheduler.on_death = self._died
+                scheduler.run(until=config.window)
+                self.store.faults_on = False
+                self.note("faults end")
+                scheduler.run(until=config.window + config.settle)
+                self.check()
+                self.check_ends()
+            finally:
+                library.removeHandler(handler)
+                library.propagate = propagate
+                signals.lease_lost.disconnect(receiver)
+                memory_module._stores.pop(name, None)
+        for per_process in (heartbeat, keeper, feed, running_stoppers):
+            per_process.forget()
+
+    def _plan(self) -> None:
+        config, rng, scheduler = self.config, self.rng, self.scheduler
+        for i in range(config.children):
+            self._spawn_child(i)
+        keys = [f"exclusive:k{i}" for i in range(config.keys)]
+        self.versions = dict.fromkeys(keys, 0)
+        for _ in range(config.messages):
+            message = Message(
+                task_id=uuid.UUID(int=rng.getrandbits(128)).hex[:12],
+                key=rng.choice(keys),
+                version=0,  # the key's next, as it arrives: the latest change is the last
+                duration=rng.choice([0.3, 1.0, config.lease_ttl * 1.5, config.lease_ttl * 3]),
+            )
+            when = rng.uniform(0, config.window * 0.6)
+            scheduler.at(when, lambda m=message: self._arrive(m))
+        for _ in range(config.kills):
+            scheduler.at(rng.uniform(0, config.window), self._kill_a_child)
+        for _ in range(config.pauses):
+            seconds = rng.choice([0.2, config.lease_ttl * 0.5, config.lease_ttl * 2])
+            scheduler.at(rng.uniform(0, config.window), lambda s=seconds: self._pause_a_child(s))
+
+    def _arrive(self, message: Message) -> None:
+        self.versions[message.key] += 1
+        message.version = self.versions[message.key]
+        if self.config.stamped:
+            message.as_of = runtime.wall()  # as the producer's apply_async stamps it
+        self.arrived[message.task_id] = (self.scheduler.now, message.key, message.version)
+        self.note(f"publish {message.task_id} {message.key} v{message.version}")
+        self._publish(message, 0.0)
+
+    # --- the broker --------------------------------------------------------------------
+
+    def _publish(self, message: Message, countdown: float) -> None:
+        message.eta = self.scheduler.now + countdown
+        message.seq = next(self._seq)
+        self.queue.append(message)
+        if countdown > 0:
+            self.scheduler.at(message.eta, self.queue_changed.set)
+        else:
+            self.queue_changed.set()
+
+    def _take(self) -> Message:
+        """Block until a message is due; take it (a delivery)."""
+        scheduler = self.scheduler
+        while True:
+            due = [m for m in self.queue if m.eta <= scheduler.now]
+            if due:
+                message = min(due, key=lambda m: (m.eta, m.seq))
+                self.queue.remove(message)
+                return message
+            self.queue_changed.clear()
+            self.queue_changed.wait()
+
+    def _ack(self, message: Message) -> None:
+        self.unacked.pop(message.task_id, None)
+
+    def _deliver_again_if_unacked(self, message: Message) -> None:
+        """The visibility timeout of an unacknowledged message passed: the broker puts
+        it back in the queue, to be delivered again (Redis's and SQS's transports)."""
+        if self.unacked.get(message.task_id) is message:
+            del self.unacked[message.task_id]
+            self.note(f"visibility timeout: copy of {message.task_id} delivered again")
+            self._publish(Message(**{**message.__dict__}), 0.0)
+
+    # --- processes --------------------------------------------------------------------
+
+    def _spawn_child(self, index: int) -> None:
+        process = self.scheduler.spawn(f"child{index}", self._child_main)
+        self.children.append(process)
+
+    def _child_main(self) -> None:
+        backend = LinkedStore(self.store, self.rng, self._label())
+        while True:
+            message = self._take()
+            self._handle(message, backend)
+
+    def _label(self) -> str:
+        process = self.scheduler.running_process()
+        return process.name
+
+    def _kill_a_child(self) -> None:
+        alive = [c for c in self.children if c.alive]
+        if alive:
+            self.scheduler.kill(self.rng.choice(alive), "SIGKILL by the world")
+
+    def _died(self, process: Any) -> None:
+        """A process died (killed by the world, or by its own grace timer): its worker
+        learns of it at once, in its own main process."""
+        if process in self.children:
+            self.scheduler.at(self.scheduler.now, lambda: self._child_died(process))
+
+    def _pause_a_child(self, seconds: float) -> None:
+        alive = [c for c in self.children if c.alive and not c.paused]
+        if alive:
+            self.scheduler.pause(self.rng.choice(alive), seconds)
+
+    # --- one message, in a child: Celery's side ---------------------------------------
+
+    def _handle(self, message: Message, backend: LinkedStore) -> None:
+        config, scheduler = self.config, self.scheduler
+        process = scheduler.running_process()
+        self.running[process.pid] = message
+        self.note(f"{process.name} takes {message.task_id} v{message.version} r{message.requeues}")
+        if config.acks_late:
+            self.unacked[message.task_id] = message
+            scheduler.at(
+                scheduler.now + config.visibility_timeout,
+                lambda: self._deliver_again_if_unacked(message),
+            )
+        args = (message.key, message.version, message.duration)
+        kwargs: dict = {}
+        if message.arguments is not None:
+            args, kwargs = message.arguments
+        call = attempt.Call(
+            TASK,
+            message.task_id,
+            message.key,
+            self.settings,
+            backend,
+            tuple(args),
+            dict(kwargs),
+            requeues=message.requeues,
+            retries=message.retries,
+            resumed=message.resumed,
+            set_aside=message.set_aside,
+            as_of=message.as_of,
+        )
+        handler = SimOutcomes(self, message)
+        try:
+            outcome = attempt.run(call, host_for(config), self._body)
+            outcome.carry_out(handler)
+        except Killed:
+            raise
+        except LeaseLost as exc:
+            self._end(message, "failed", type(exc).__name__)
+            self._ack_at_end(message)
+        except ExclusiveError as exc:
+            self._end(message, "failed", type(exc).__name__)
+            self._ack_at_end(message)
+        finally:
+            if process.alive:  # a dead one's call is its worker's to end
+                self.running.pop(process.pid, None)
+
+    def _ack_at_end(self, message: Message) -> None:
+        if (
+            self.config.lost_acks
+            and self.rng.random() < self.config.lost_acks
+            and self.store.faults_on
+        ):
+            self.note(f"ack of {message.task_id} lost")
+            return  # the broker delivers it again at its visibility timeout
+        self._ack(message)
+
+    def _body(self, args: tuple, kwargs: dict) -> Any:
+        key, version, duration = args
+        lease = attempt.current_lease()
+        current = attempt.current()
+        task_id = current.call.task_id if current is not None else "?"
+        body = Body(
+            task_id, key, version, self.scheduler.running_process(), lease, self.scheduler.now
+        )
+        self.bodies.append(body)
+        self.note(
+            f"body {task_id} v{version} starts, token {getattr(lease, 'fencing_token', None)}"
+        )
+        steps = max(1, int(duration / 0.25))
+        try:
+            for _ in range(steps):
+                if self.config.checking_bodies or self.config.on_lease_lost != "terminate":
+                    lease.ensure_held()
+                runtime.sleep(duration / steps)
+            body.how = "returned"
+            return version
+        except BaseException as exc:
+            body.how = type(exc).__name__
+            raise
+        finally:
+            body.ended = self.scheduler.now
+            self.note(f"body {task_id} v{version} ends: {body.how}")
+
+    def _end(self, message: Message, kind: str, detail: Any = None) -> None:
+        self.ends.setdefault(message.task_id, []).append((self.scheduler.now, kind, detail))
+        self.note(f"{message.task_id} ends: {kind} {detail if detail is not None else ''}")
+
+    # --- the worker's main process, when a child dies -------------------------------
+
+    def _child_died(self, child: Any) -> None:
+        """What Celery's worker does when a pool child dies: it reports the call lost
+        (WorkerLostError), the library frees what the child held, sends again a call
+        killed for its lost lease, hands a dead pending rerun's run on; then the pool
+        starts a new child."""
+        message = self.running.pop(child.pid, None)
+        config, store = self.config, self.store
+        if message is not None:
+            # The world acts as the worker's main process: its store calls take no time.
+            note = kill_notes.take_kill_note(message.task_id, child.pid)
+            handed_back = config.acks_late and config.reject_on_worker_lost
+            direct = _Direct(store)
+            key = message.key
+            if note is not None and not handed_back:
+                rerun = attempt.rerun_of_killed(
+                    self.settings, key, message.requeues, note.arguments, message.as_of
+                )
+                if rerun is not None:
+                    self._end(message, "killed, sent again")
+                    SimOutcomes(self, message).handle_requeue(rerun)
+                    self._ack(message)
+                    self._free_left(direct, message, child)
+                    self._replace(child)
+                    return
+            if handed_back:
+                self._end(message, "lost, handed back")
+                self._ack(message)
+                self._publish(Message(**{**message.__dict__}), 0.0)
+            else:
+                self._end(message, "lost", "WorkerLostError")
+                self._ack(message)
+                if config.acks_late:
+                    marks.mark_finished(direct, key, message.task_id, message.retries, 3600.0)
+                if config.on_duplicate == "rerun":
+                    kept = marks.resume_arguments(direct, key, message.task_id)
+                    marks.drop_resume(direct, key, message.task_id, kept)
+                    owed = attempt.owed_rerun(direct, key, message.task_id)
+                    if owed is not None:
+                        self._send_owed(message, owed)
+            self._free_left(direct, message, child)
+        self._replace(child)
+
+    def _send_owed(self, message: Message, owed: outcomes.OwedRun) -> None:
+        """A new call for the run a pending rerun owed, as the host sends it."""
+        key, version, duration = owed.args
+        new = Message(
+            task_id=uuid.UUID(int=self.rng.getrandbits(128)).hex[:12],
+            key=key,
+            version=version,
+            duration=duration,
+            resumed=True,  # as the host sends it: it resumes the owed run
+            as_of=owed.as_of,
+        )
+        self.owed[new.task_id] = (self.scheduler.now, key, version)
+        self.note(f"owed rerun of {message.task_id} goes to {new.task_id}")
+        self._publish(new, 0.0)
+
+    def _free_left(self, direct: Any, message: Message, child: Any) -> None:
+        for lease, pid in reaper.leases_on_this_host(
+            direct, message.key, message.task_id, self.settings.limit
+        ):
+            if pid == child.pid:
+                direct.release(lease)
+
+    def _replace(self, child: Any) -> None:
+        index = self.children.index(child)
+        delay = self.rng.uniform(0.1, 1.0)
+        self.scheduler.at(self.scheduler.now + delay, lambda: self._respawn(index))
+
+    def _respawn(self, index: int) -> None:
+        process = self.scheduler.spawn(f"child{index}.{len(self.children)}", self._child_main)
+        self.children[index] = process
+
+    # --- invariants --------------------------------------------------------------------
+
+    def _on_loss(self, sender: Any = None, key: Any = None, task_id: Any = None, **kw: Any) -> None:
+        """``lease_lost``, sent in the process that holds the lease (its heartbeat, its
+        deadline keeper, its body): the body of that task there is told."""
+        process = self.scheduler.running_process()
+        for body in self.bodies:
+            if (
+                body.task_id == task_id
+                and body.process is process
+                and body.ended is None
+                and body.lost_at is None
+            ):
+                body.lost_at = self.scheduler.now
+
+    def check(self) -> None:
+        """After every step: no more than ``limit`` bodies of one key run under leases
+        not lost; a body told of its loss stops within its grace."""
+        now = self.scheduler.now
+        by_key: dict[str, list[Body]] = {}
+        for body in self.bodies:
+            if body.ended is not None or not body.process.alive or body.process.paused:
+                continue
+            lease = body.lease
+            if isinstance(lease, HeldLease) and not lease.lost:
+                by_key.setdefault(body.key, []).append(body)
+            if (
+                body.lost_at is not None
+                and self.config.on_lease_lost == "terminate"
+                and now > body.lost_at + self.config.terminate_grace + 1.0
+                and not self._paused_since(body)
+            ):
+                raise Violation(
+                    f"body {body.task_id} was told of its loss at {body.lost_at:.3f} and "
+                    f"still runs at {now:.3f}, past its grace of {self.config.terminate_grace}s"
+                )
+        for key, running in by_key.items():
+            if len(running) > self.config.limit:
+                raise Violation(
+                    f"{len(running)} bodies of {key!r} run at {now:.3f} under leases not "
+                    f"lost (limit {self.config.limit}): "
+                    + ", ".join(f"{b.task_id} token {b.lease.fencing_token}" for b in running)
+                )
+
+    def _paused_since(self, body: Body) -> bool:
+        return False
+
+    def check_ends(self) -> None:
+        """At the end: every message reached one defined end; none ran twice unless a
+        loss was signalled; under ``rerun`` the last change was seen by a run that
+        started after it arrived."""
+        for thread, exc in self.scheduler.died:
+            raise Violation(f"{thread} died: {type(exc).__name__}: {exc}")
+        if self.queue or self.unacked:
+            left = [m.task_id for m in self.queue] + list(self.unacked)
+            raise Violation(f"messages never ended: {left}")
+        ran: dict[str, list[Body]] = {}
+        for body in self.bodies:
+            if body.how == "returned":
+                ran.setdefault(body.task_id, []).append(body)
+        for task_id, (_, key, version) in {**self.arrived, **self.owed}.items():
+            ends = self.ends.get(task_id, [])
+            if not ends:
+                raise Violation(f"{task_id} ({key} v{version}) reached no end")
+            final = {kind for _, kind, _ in ends if kind in TERMINAL}
+            if len(final) > 1 and not any(task_id in line for line in self.warnings):
+                raise Violation(
+                    f"{task_id} ({key} v{version}) reached {len(final)} different ends "
+                    f"({', '.join(sorted(final))}), nothing said why"
+                )
+            runs = sorted(
+                (b for b in self.bodies if b.task_id == task_id and b.completed),
+                key=lambda b: b.started,
+            )
+            window = host_for(self.config).finished_ttl
+            for first, again in zip(runs, runs[1:]):
+                lost = (
+                    any(
+                        b.lost_at is not None or not b.completed
+                        for b in self.bodies
+                        if b.task_id == task_id and first.started <= b.started < again.started
+                    )
+                    or any(  # its process died before the end was recorded (at least once)
+                        kind.startswith("lost") and first.started <= when <= again.started
+                        for when, kind, _ in ends
+                    )
+                    or any(  # the store took the record of its end late, or never: said
+                        f"could not record that {TASK}[{task_id}] ended" in line
+                        or ("release arrived after the lease expired" in line and task_id in line)
+                        for line in self.warnings
+                    )
+                )
+                # A copy is dropped for the finished mark's ttl after the end, and no
+                # longer (the documented window: docs/how-to/duplicates/redelivery.md).
+                if not lost and again.started < (first.ended or 0) + window:
+                    raise Violation(
+                        f"{task_id} ran to its end at {first.ended:.3f} and again from "
+                        f"{again.started:.3f}, within its finished mark's {window:.1f}s, "
+                        "no loss signalled"
+                    )
+        # Unstamped calls (a send_task by name) are ordered by when a worker first tries
+        # them, not by when they were sent: the documented limit of "latest".
+        unordered = not self.config.stamped
+        if self.config.on_duplicate == "rerun" and not unordered:
+            last: dict[str, tuple[float, int]] = {}
+            for arrived, key, version in self.arrived.values():
+                if key not in last or version > last[key][1]:
+                    last[key] = (arrived, version)
+            for key, (arrived, version) in last.items():
+                task_id = next(t for t, a in self.arrived.items() if a[1:] == (key, version))
+                if self._failed_on_the_way(task_id):
+                    continue  # a call it counted on failed, with a named error
+                if any(
+                    f"as the pending rerun of {key!r} and could not hand its run on" in line
+                    for line in self.warnings
+                ):
+                    continue  # the store failed the hand-over too, and that was said
+                seen = [
+                    b
+                    for b in self.bodies
+                    if b.key == key and b.started >= arrived and b.version >= version
+                ]
+                if not seen:
+                    raise Violation(
+                        f"under rerun, no run of {key!r} started after v{version} arrived "
+                        f"at {arrived:.3f} and saw it"
+                    )
+
+    def _failed_on_the_way(self, task_id: str, depth: int = 0) -> bool:
+        """Whether the call ``task_id``, or the pending rerun it coalesced into (and so
+        on), ended in a named error (lost with its process, failed, gave up): then
+        nobody owes the change a run, and the error says so."""
+        ends = self.ends.get(task_id, [])
+        if any(kind in ("lost", "failed", "gave up") for _, kind, _ in ends):
+            return True
+        into = [detail for _, kind, detail in ends if kind == "coalesced"]
+        return depth < 20 and any(self._failed_on_the_way(t, depth + 1) for t in into)
+
+
+class _TraceHandler(logging.Handler):
+    """The library's log lines, in the trace, at their virtual time."""
+
+    def __init__(self, world: World) -> None:
+        super().__init__(logging.DEBUG)
+        self.world = world
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = record.getMessage()
+        except Exception:  # a bad format is the library's bug, not the run's
+            message = record.msg
+        self.world.note(f"log {record.levelname}: {message}")
+        if record.levelno >= logging.WARNING:
+            self.world.warnings.append(message)
+
+
+class _Direct:
+    """The store as the worker's main process reaches it: no faults, no time."""
+
+    def __init__(self, shared: SharedStore) -> None:
+        self._memory = shared.memory
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._memory, name)
+
+
+def host_for(config: Config) -> attempt.Host:
+    """What a prefork child of a Celery worker can do, for these task options (as
+    ``celery.execution.host_of`` decides it)."""
+    return attempt.Host(
+        can_requeue=True,
+        redelivery=config.acks_late,
+        redelivered_when_stopped=config.acks_late and config.reject_on_worker_lost,
+        stop_process=True if config.on_lease_lost == "terminate" else None,
+        finished_ttl=config.visibility_timeout + 2.0 + config.lease_ttl
+        if config.acks_late
+        else 0.0,
+    )
+
+
+class SimOutcomes(outcomes.OutcomeHandler):
+    """An outcome in the simulated broker's terms, as CeleryOutcomes carries it out."""
+
+    def __init__(self, world: World, message: Message) -> None:
+        self.world = world
+        self.message = message
+
+    def _done(self, kind: str, detail: Any = None) -> None:
+        self.world._end(self.message, kind, detail)
+        self.world._ack_at_end(self.message) if self.world.config.acks_late else None
+
+    def handle_ran(self, outcome: outcomes.Ran) -> Any:
+        process = self.world.scheduler.running_process()
+        body = next(
+            b
+            for b in reversed(self.world.bodies)
+            if b.task_id == self.message.task_id and b.process is process
+        )
+        body.completed = True
+        self._done("ran", outcome.result)
+
+    def handle_skipped(self, outcome: outcomes.Skipped) -> Any:
+        self._done("skipped", outcome.holder_task_id)
+
+    def handle_coalesced(self, outcome: outcomes.Coalesced) -> Any:
+        self._done("coalesced", outcome.rerun_task_id)
+
+    def handle_requeue(self, outcome: outcomes.Requeue) -> Any:
+        world, message = self.world, self.message
+        again = Message(**{**message.__dict__})
+        again.requeues = outcome.requeues
+        if outcome.cause == "lost":
+            again.resumed = True
+        if outcome.args is not None:
+            again.arguments = (outcome.args, outcome.kwargs or {})
+        again.as_of = outcome.as_of
+        world.note(f"{message.task_id} requeued ({outcome.cause}) in {outcome.countdown:.2f}s")
+        world._publish(again, outcome.countdown)
+        world._ack(message)
+
+    def handle_gave_up(self, outcome: outcomes.GaveUp) -> Any:
+        if outcome.owed is not None:
+            self.world._send_owed(self.message, outcome.owed)
+        self._done("gave up", outcome.cause)
+
+    def handle_waited(self, outcome: outcomes.Waited) -> Any:
+        raise DuplicateSkipped("waited in vain", outcome.key, None)
+
+    def handle_unanswered(self, outcome: outcomes.Unanswered) -> Any:
+        raise outcome.error
+
+    def handle_set_aside(self, outcome: outcomes.SetAside) -> Any:
+        world, message = self.world, self.message
+        again = Message(**{**message.__dict__})
+        again.requeues = outcome.requeues
+        again.as_of = outcome.as_of
+        again.set_aside = True
+        world.note(f"copy of {message.task_id} set aside for {outcome.countdown:.2f}s")
+        world._publish(again, outcome.countdown)
+        world._ack(message)
+
+    def handle_dropped(self, outcome: outcomes.Dropped) -> Any:
+        self.world.note(f"copy of {self.message.task_id} dropped")
+        self.world._ack(self.message)
+
+    def handle_redelivered(self, outcome: outcomes.Redelivered) -> Any:
+        world, message = self.world, self.message
+        world.note(f"{message.task_id} rejected: back to the queue")
+        world._ack(message)
+        world._publish(Message(**{**message.__dict__}), 0.0)
