@@ -227,6 +227,8 @@ class CeleryOutcomes(outcomes.OutcomeHandler):
         self.result_written = False
 
     def handle_ran(self, outcome: outcomes.Ran) -> Any:
+        if outcome.owed is not None:
+            send_owed_run(self.task, self.request.id, outcome.owed, "ran unlocked")
         self.result_written = outcome.written
         if outcome.written:
             # Stored with the release of the lease: Celery's tracer, which reads this

@@ -72,6 +72,17 @@ class OutcomeHandler(abc.ABC):
 
 
 @dataclass(frozen=True)
+class OwedRun:
+    """The run a pending rerun that ends without running owed the duplicates that
+    joined it (it died, or gave up): a new call the host sends, resuming it, with these
+    arguments, whose change ``as_of`` stamped."""
+
+    args: tuple
+    kwargs: dict
+    as_of: Optional[float] = None
+
+
+@dataclass(frozen=True)
 class Ran:
     """The body ran to its end under the lease (or unlocked, by the setting's choice);
     ``result`` is what it returned. ``written``: the result was stored with the release
@@ -79,6 +90,9 @@ class Ran:
 
     result: Any
     written: bool = False
+    #: Ran without its lease as the pending rerun of its key, whose mark still named it
+    #: after the run: the run owed to the duplicates that joined it since.
+    owed: Optional[OwedRun] = None
 
     def carry_out(self, host: OutcomeHandler) -> Any:
         return host.handle_ran(self)
@@ -139,17 +153,6 @@ class Requeue:
 
     def carry_out(self, host: OutcomeHandler) -> Any:
         return host.handle_requeue(self)
-
-
-@dataclass(frozen=True)
-class OwedRun:
-    """The run a pending rerun that ends without running owed the duplicates that
-    joined it (it died, or gave up): a new call the host sends, resuming it, with these
-    arguments, whose change ``as_of`` stamped."""
-
-    args: tuple
-    kwargs: dict
-    as_of: Optional[float] = None
 
 
 @dataclass(frozen=True)

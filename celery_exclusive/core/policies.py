@@ -208,8 +208,11 @@ def claim(
                 lease.release()
                 return SetAside(key, requeue_delay(settings, requeues), requeues + 1)
         run = _run(settings, backend, key, task_id, lease)
-        if finished_read:
+        if finished_read and not copy:
             run = replace(run, finished_read=True, finished=finished)
+        # A copy that found no other slot of its task id held may have found it just
+        # after that delivery ended: its finished mark, written before its release, is
+        # read again now (as of the grant it may not have been there yet).
         return _unless_ended(backend, run, task_id, retries, resumed, redelivery)
 
     if redelivery and marks.ended(finished, retries, resumed):

@@ -433,7 +433,39 @@ class Attempt:
             self.arguments = self._resume
             args, kwargs = decode_call(self._resume)
         with entered(self):
-            return outcomes.Ran(body(args, kwargs))
+            result = body(args, kwargs)
+        if self.host.redelivery and self.call.task_id:
+            self._record_unlocked_end()
+        return outcomes.Ran(result, owed=self._owed_after_unlocked_run())
+
+    def _record_unlocked_end(self) -> None:
+        """An unlocked run's end is recorded as any run's, if the store answers now: a
+        copy of its message delivered later is dropped rather than run again."""
+        call = self.call
+        try:
+            marks.mark_finished(
+                call.backend, call.key, call.task_id or "", call.retries, self.host.finished_ttl
+            )
+        except ExclusiveError as exc:
+            logger.warning(
+                "could not record that %s[%s] ended (%s): a copy of its message "
+                "delivered again may run it once more",
+                call.name,
+                call.task_id,
+                exc,
+            )
+
+    def _owed_after_unlocked_run(self) -> Optional[outcomes.OwedRun]:
+        """A pending rerun that ran unlocked may have run without taking its mark (the
+        store did not answer): duplicates that joined it since are owed a run, which a
+        new call does. Nothing if the mark is gone or another's, or the store is down."""
+        call = self.call
+        if call.settings.on_duplicate != "rerun" or not call.task_id:
+            return None
+        try:
+            return owed_rerun(call.backend, call.key, call.task_id)
+        except ExclusiveError:
+            return None  # a duplicate that finds the mark not alive takes its place
 
     def holding(self, lease: AnyLease) -> contextlib.AbstractContextManager[AnyLease]:
         """Run the ``with`` block as the body under ``lease``, and end the attempt on

@@ -438,6 +438,8 @@ class JobOutcomes(outcomes.OutcomeHandler):
         self.settings = settings
 
     def handle_ran(self, outcome: outcomes.Ran) -> Any:
+        if outcome.owed is not None:
+            self.job._send_owed_rerun(outcome.owed)
         return outcome.result
 
     def handle_skipped(self, outcome: outcomes.Skipped) -> Any:

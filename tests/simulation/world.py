@@ -49,6 +49,9 @@ class Config:
     """One schedule's task options, workload and faults (all drawn from its seed)."""
 
     on_duplicate: str = "skip"
+    #: ``celery`` (prefork children) or ``rq`` (work horses: no message comes twice).
+    host: str = "celery"
+    on_backend_error: str = "requeue"
     limit: int = 1
     priority: bool = False
     acks_late: bool = False
@@ -91,13 +94,15 @@ class Config:
             requeue_lost=self.requeue_lost,
             on_lease_lost=self.on_lease_lost,  # type: ignore[arg-type]
             terminate_grace=self.terminate_grace,
+            on_backend_error=self.on_backend_error,  # type: ignore[arg-type]
         )
 
 
 def draw_config(rng) -> Config:
     """A configuration from the seed: every policy and option, and a mix of faults."""
     on_duplicate = rng.choice(["skip", "requeue", "wait", "rerun"])
-    acks_late = rng.random() < 0.5
+    host = rng.choice(["celery", "celery", "rq"])
+    acks_late = host == "celery" and rng.random() < 0.5
     ttl = rng.choice([2.0, 3.0, 5.0])
     faulty = rng.random() < 0.8
     link = LinkFaults()
@@ -111,6 +116,8 @@ def draw_config(rng) -> Config:
         )
     return Config(
         on_duplicate=on_duplicate,
+        host=host,
+        on_backend_error=rng.choice(["requeue", "requeue", "requeue", "run"]),
         limit=rng.choice([1, 1, 1, 2]),
         priority=rng.random() < 0.15,
         acks_late=acks_late,
@@ -598,6 +605,8 @@ class World:
                     or any(  # the store took the record of its end late, or never: said
                         f"could not record that {TASK}[{task_id}] ended" in line
                         or ("release arrived after the lease expired" in line and task_id in line)
+                        or (f"[{task_id}]" in line and "running WITHOUT a lease" in line)
+                        or (line.startswith("lease lost") and f"task_id={task_id}" in line)
                         for line in self.warnings
                     )
                 )
@@ -623,9 +632,10 @@ class World:
                     continue  # a call it counted on failed, with a named error
                 if any(
                     f"as the pending rerun of {key!r} and could not hand its run on" in line
+                    or (f"on {key!r}" in line and "running WITHOUT a lease" in line)
                     for line in self.warnings
                 ):
-                    continue  # the store failed the hand-over too, and that was said
+                    continue  # the store failed the hand-over, or runs went unlocked: said
                 seen = [
                     b
                     for b in self.bodies
@@ -677,7 +687,15 @@ class _Direct:
 
 def host_for(config: Config) -> attempt.Host:
     """What a prefork child of a Celery worker can do, for these task options (as
-    ``celery.execution.host_of`` decides it)."""
+    ``celery.execution.host_of`` decides it), or an RQ work horse (as
+    ``rq.job.ExclusiveJob`` describes it)."""
+    if config.host == "rq":
+        return attempt.Host(
+            can_requeue=True,
+            stop_process=True if config.on_lease_lost == "terminate" else None,
+            noun="job",
+            setting_prefix="",
+        )
     return attempt.Host(
         can_requeue=True,
         redelivery=config.acks_late,
@@ -701,6 +719,8 @@ class SimOutcomes(outcomes.OutcomeHandler):
         self.world._ack_at_end(self.message) if self.world.config.acks_late else None
 
     def handle_ran(self, outcome: outcomes.Ran) -> Any:
+        if outcome.owed is not None:
+            self.world._send_owed(self.message, outcome.owed)
         process = self.world.scheduler.running_process()
         body = next(
             b
