@@ -202,14 +202,27 @@ def _comes_back(exc: BaseException) -> bool:
     return isinstance(exc, Reject) and bool(exc.requeue)
 
 
+#: The least a finished mark lasts: a copy the broker restored may wait behind a backlog
+#: of messages before a worker takes it, however short the visibility timeout.
+FINISHED_TTL_FLOOR = 3600.0
+
+
 def finished_ttl(task: Any) -> float:
-    """How long a finished mark lasts: a copy restored just before the first delivery
-    was acknowledged arrives within the visibility timeout; a copy set aside comes back
-    within one requeue delay."""
+    """How long the finished mark of a call of ``task`` lasts (:func:`finished_ttl_for`)."""
     options = task.app.conf.broker_transport_options or {}
     visibility = float(options.get("visibility_timeout", DEFAULT_VISIBILITY_TIMEOUT))
     settings = task.exclusive_settings
-    return visibility + settings.requeue_max_delay + settings.lease_ttl
+    return finished_ttl_for(visibility, settings.requeue_max_delay, settings.lease_ttl)
+
+
+def finished_ttl_for(
+    visibility_timeout: float, requeue_max_delay: float, lease_ttl: float
+) -> float:
+    """How long a finished mark lasts: a copy restored just before the first delivery
+    was acknowledged arrives within the visibility timeout, a copy set aside comes back
+    within one requeue delay, and either may then wait in the queue, for an hour at
+    least (:data:`FINISHED_TTL_FLOOR`)."""
+    return max(FINISHED_TTL_FLOOR, visibility_timeout + requeue_max_delay + lease_ttl)
 
 
 # --- the outcome, in Celery's terms ------------------------------------------------------
@@ -397,9 +410,9 @@ def send_again(task: Any, request: Any, outcome: outcomes.Requeue) -> Any:
 
 def send_owed_run(task: Any, task_id: Optional[str], owed: outcomes.OwedRun, why: str) -> None:
     """Send a new call of ``task`` for the run the pending rerun ``task_id`` owed the
-    duplicates that joined it, as it ``why`` (died, gave up) without running. It resumes
-    that run: no newer change's arguments are replaced when it joins a later one."""
-    headers: dict[str, Any] = {RESUMED_HEADER: True}
+    duplicates that joined it, as it ``why`` (died, gave up) without running. It carries
+    when that change was sent: no newer change is replaced when it joins a later one."""
+    headers: dict[str, Any] = {}
     if owed.as_of is not None:
         headers[AS_OF_HEADER] = owed.as_of
     sent = task.apply_async(owed.args, owed.kwargs, headers=headers)

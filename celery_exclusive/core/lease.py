@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Callable, Optional
 
 from .. import runtime, signals
-from ..backends import NO_END, Backend, End, Lease, MarkRead
+from ..backends import NO_END, Backend, End, Lease, MarkRead, MarkSwap
 from ..backends.base import require
 from ..errors import LOSS_ADVICE, BackendUnavailable, ExclusiveError, LeaseLost
 from . import losses
@@ -194,9 +194,13 @@ class HeldLease:
                 if end == NO_END:
                     self._release_failed(exc)
                     return False
-                # The step may have run, its answer lost: free the lease the plain way;
-                # finding nothing to free then is no loss.
-                self._send_plain_release(unsure=True)
+                # The step may have run, its answer lost. The end's mark goes first, on
+                # its own (a copy taking the key after the release must find it), then
+                # the lease the plain way: finding nothing to free then is no loss.
+                marked = end.mark is not None and self._mark_on_its_own(end.mark)
+                freed = self._send_plain_release(unsure=True)
+                if marked:
+                    return freed
                 if end.mark is not None:
                     raise
                 self._release_failed(exc, "the write left to its owner")
@@ -218,6 +222,15 @@ class HeldLease:
         finally:
             if self.released:
                 keeper().forget(self)
+
+    def _mark_on_its_own(self, mark: MarkSwap) -> bool:
+        """Swap an end's mark apart from the release; True if it holds ``new`` now."""
+        backend = self.backend
+        try:
+            swapped = backend.swap_mark(mark.key, mark.kind, mark.expected, mark.new, mark.ttl)
+            return swapped or backend.read_mark(mark.key, mark.kind) == mark.new
+        except ExclusiveError:
+            return False
 
     def _send_plain_release(self, unsure: bool) -> bool:
         """Ask the store to free the lease, which no longer renews it, ending nothing."""

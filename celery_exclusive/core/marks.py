@@ -266,6 +266,16 @@ def leave_line(backend: Backend, key: str, claimant: str) -> None:
     raise _contended(backend, key, LINE)
 
 
+def waiting(backend: Backend, key: str, claimant: str) -> bool:
+    """Whether ``claimant`` stands in the line of ``key`` now, waiting (not away on a
+    requeue): a delivery of its call is waiting for the key this very moment."""
+    now = backend.store_time()
+    return any(
+        entry["id"] == claimant and entry.get("away") is not True
+        for entry in entries_of(backend.read_mark(key, LINE), now)
+    )
+
+
 def line_of(backend: Backend, key: str) -> list[str]:
     """The ids in the line of ``key``, first first (for the CLI and messages)."""
     return ids_of(backend.read_mark(key, LINE))

@@ -74,8 +74,9 @@ class OutcomeHandler(abc.ABC):
 @dataclass(frozen=True)
 class OwedRun:
     """The run a pending rerun that ends without running owed the duplicates that
-    joined it (it died, or gave up): a new call the host sends, resuming it, with these
-    arguments, whose change ``as_of`` stamped."""
+    joined it (it died, or gave up): a new call the host sends with these arguments,
+    whose change ``as_of`` stamped (0: unknown, older than any other), so that it never
+    replaces a newer change when it joins a later pending rerun."""
 
     args: tuple
     kwargs: dict

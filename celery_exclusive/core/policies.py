@@ -220,8 +220,16 @@ def claim(
     # Whom this call yields to: a holder, or else whoever is first in line for the key.
     infos = backend.holders_of(key)
     holding = [info.task_id for info in infos if info.task_id]
-    if redelivery and task_id in holding:
+    if redelivery and task_id and (task_id in holding or marks.waiting(backend, key, task_id)):
+        # A copy of a call that runs now, or waits for the key now: it runs once.
         return SetAside(key, requeue_delay(settings, requeues), requeues + 1)
+    if redelivery and task_id:
+        # Its own first delivery may have held the key as it tried, and ended since
+        # (it writes its finished mark before it releases): read as of the refused grant,
+        # the mark may not have been there yet.
+        finished = marks.finished_mark(backend, key, task_id)
+        if marks.ended(finished, retries, resumed):
+            return Dropped(key)
     holder = next(iter(holding), None) or next(iter(marks.line_of(backend, key)), None)
     described = None if holding else holders.first_described(infos)
     duplicate = Duplicate(

@@ -637,7 +637,7 @@ def owed_rerun(backend: Backend, key: str, task_id: Optional[str]) -> Optional[o
     if arguments is None:
         return None
     args, kwargs = decode_call(arguments)
-    return outcomes.OwedRun(args, kwargs, marks.changed_at(arguments) or None)
+    return outcomes.OwedRun(args, kwargs, marks.changed_at(arguments))
 
 
 def rerun_of_killed(

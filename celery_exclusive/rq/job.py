@@ -379,17 +379,17 @@ class ExclusiveJob(Job):
         else:
             queue.enqueue_job(self, pipeline=pipeline)
 
-    def _send_owed_rerun(self, owed: attempt.OwedRun) -> None:
+    def _send_owed_rerun(self, owed: outcomes.OwedRun) -> None:
         """This job died as the pending rerun of its key: the duplicates coalesced into
         it are owed a run, which a new job of the same function does."""
         queue = Queue(self.origin, connection=self.connection, job_class=type(self))
-        # It resumes the dead run (a retry, to the engine): no newer change is replaced.
+        # It carries when its change was sent: no newer change is replaced.
         job = queue.enqueue_call(
             self.func_name,
             args=owed.args,
             kwargs=owed.kwargs,
             timeout=self.timeout,
-            meta={META_KEY: {"retry": True, "owed_by": self.id, **_stamp(owed.as_of)}},
+            meta={META_KEY: {"owed_by": self.id, **_stamp(owed.as_of)}},
         )
         logger.warning(
             "pending rerun job %s died; its run goes to job %s (its duplicates are owed it)",

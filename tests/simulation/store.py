@@ -54,6 +54,8 @@ class SharedStore:
         self.memory = MemoryBackend(f"memory://{name}")
         self.faults = LinkFaults()
         self.faults_on = False
+        #: A partition: while set (and faults are on), every request is lost.
+        self.outage = False
         #: The last fencing token granted per key, in grant order.
         self.last_token: dict[str, int] = {}
         self.calls = 0
@@ -95,7 +97,8 @@ class LinkedStore(Backend):
             scheduler.yield_now()
         if not scheduler.running_process().alive:
             raise Killed
-        if faults.lose_request and rng.random() < faults.lose_request:
+        lose = faults.lose_request or (shared.outage and shared.faults_on)
+        if lose and (rng.random() < faults.lose_request or (shared.outage and shared.faults_on)):
             scheduler.trace(f"{scheduler.now:9.3f} {self.label} {what}: request lost")
             raise BackendUnavailable(f"{what}: the request was lost (simulated)", self.safe_url)
         try:
@@ -160,7 +163,8 @@ class LinkedStore(Backend):
         scheduler = self.shared.scheduler
         if not scheduler.running_process().alive:
             raise Killed
-        if self.shared.faults_on and self.rng.random() < self.shared.faults.lose_request:
+        shared = self.shared
+        if shared.faults_on and (shared.outage or self.rng.random() < shared.faults.lose_request):
             scheduler.block(scheduler.now + self.rng.uniform(0, timeout))
             raise BackendUnavailable("wait: the link broke (simulated)", self.safe_url)
         self.shared.memory.wait(key, timeout, claimant)

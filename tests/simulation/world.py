@@ -31,6 +31,7 @@ from celery_exclusive.core.feed import feed
 from celery_exclusive.core.heartbeat import heartbeat
 from celery_exclusive.core.lease import HeldLease
 from celery_exclusive.core.terminate import _running as running_stoppers
+from celery_exclusive.celery.execution import finished_ttl_for
 from celery_exclusive.engine import attempt
 from celery_exclusive.errors import DuplicateSkipped, ExclusiveError, LeaseLost
 
@@ -75,6 +76,8 @@ class Config:
     link: LinkFaults = field(default_factory=LinkFaults)
     kills: int = 0
     pauses: int = 0
+    #: Windows in which the store answers nothing (a partition), each ttl/2 to 2 ttl.
+    outages: int = 0
     lost_acks: float = 0.0
     #: Producers stamp their messages with when they sent them (ExclusiveTask's
     #: apply_async does; a send_task by name does not).
@@ -103,6 +106,7 @@ def draw_config(rng) -> Config:
     on_duplicate = rng.choice(["skip", "requeue", "wait", "rerun"])
     host = rng.choice(["celery", "celery", "rq"])
     acks_late = host == "celery" and rng.random() < 0.5
+    priority = rng.random() < 0.15
     ttl = rng.choice([2.0, 3.0, 5.0])
     faulty = rng.random() < 0.8
     link = LinkFaults()
@@ -111,15 +115,15 @@ def draw_config(rng) -> Config:
             lose_request=rng.choice([0.0, 0.02, 0.05]),
             lose_answer=rng.choice([0.0, 0.02, 0.05]),
             delay=rng.choice([0.0, 0.01, 0.1, ttl / 8]),
-            slow_share=rng.choice([0.0, 0.01]),
-            slow=ttl,
+            slow_share=rng.choice([0.0, 0.01, 0.05]),
+            slow=rng.choice([ttl / 2, ttl]),
         )
     return Config(
         on_duplicate=on_duplicate,
         host=host,
         on_backend_error=rng.choice(["requeue", "requeue", "requeue", "run"]),
         limit=rng.choice([1, 1, 1, 2]),
-        priority=rng.random() < 0.15,
+        priority=priority,
         acks_late=acks_late,
         reject_on_worker_lost=acks_late and rng.random() < 0.5,
         requeue_lost=rng.random() < 0.8,
@@ -130,13 +134,23 @@ def draw_config(rng) -> Config:
         requeue_max_retries=rng.choice([None, None, 3]),
         checking_bodies=rng.random() < 0.5,
         keys=rng.choice([1, 1, 2]),
-        messages=rng.randint(2, 8),
+        messages=rng.randint(2, 12),
         children=rng.randint(1, 3),
         window=rng.choice([10.0, 20.0]),
-        visibility_timeout=rng.choice([4 * ttl, 30.0]),
+        # Shorter than a run (its copy is set aside), never than what a delivery takes
+        # before it holds the key (its wait in line, the store's slowest answers): a copy
+        # restored meanwhile is a second delivery nobody can tell from the first
+        # (docs/how-to/duplicates/redelivery.md).
+        visibility_timeout=max(
+            rng.choice([1.5 * ttl, 4 * ttl, 30.0]),
+            (5.0 if on_duplicate in ("wait", "rerun") or priority else 0.0)
+            + 2 * ttl
+            + 8 * max(link.delay, link.slow if link.slow_share else 0.0),
+        ),
         link=link,
-        kills=rng.choice([0, 0, 1, 2]) if faulty else 0,
+        kills=rng.choice([0, 0, 1, 2, 3]) if faulty else 0,
         pauses=rng.choice([0, 0, 1, 2]) if faulty else 0,
+        outages=rng.choice([0, 0, 1, 2]) if faulty else 0,
         lost_acks=rng.choice([0.0, 0.0, 0.1]) if faulty and acks_late else 0.0,
         stamped=rng.random() < 0.8,
     )
@@ -274,9 +288,18 @@ class World:
             scheduler.at(when, lambda m=message: self._arrive(m))
         for _ in range(config.kills):
             scheduler.at(rng.uniform(0, config.window), self._kill_a_child)
+        for _ in range(config.outages):
+            start = rng.uniform(0, config.window)
+            length = rng.uniform(config.lease_ttl / 2, config.lease_ttl * 2)
+            scheduler.at(start, lambda: self._outage(True))
+            scheduler.at(min(start + length, config.window), lambda: self._outage(False))
         for _ in range(config.pauses):
             seconds = rng.choice([0.2, config.lease_ttl * 0.5, config.lease_ttl * 2])
             scheduler.at(rng.uniform(0, config.window), lambda s=seconds: self._pause_a_child(s))
+
+    def _outage(self, on: bool) -> None:
+        self.store.outage = on
+        self.note("store outage begins" if on else "store outage ends")
 
     def _arrive(self, message: Message) -> None:
         self.versions[message.key] += 1
@@ -493,8 +516,7 @@ class World:
             key=key,
             version=version,
             duration=duration,
-            resumed=True,  # as the host sends it: it resumes the owed run
-            as_of=owed.as_of,
+            as_of=owed.as_of,  # as the host sends it: the change it carries is that old
         )
         self.owed[new.task_id] = (self.scheduler.now, key, version)
         self.note(f"owed rerun of {message.task_id} goes to {new.task_id}")
@@ -701,7 +723,7 @@ def host_for(config: Config) -> attempt.Host:
         redelivery=config.acks_late,
         redelivered_when_stopped=config.acks_late and config.reject_on_worker_lost,
         stop_process=True if config.on_lease_lost == "terminate" else None,
-        finished_ttl=config.visibility_timeout + 2.0 + config.lease_ttl
+        finished_ttl=finished_ttl_for(config.visibility_timeout, 2.0, config.lease_ttl)
         if config.acks_late
         else 0.0,
     )
@@ -744,7 +766,8 @@ class SimOutcomes(outcomes.OutcomeHandler):
             again.resumed = True
         if outcome.args is not None:
             again.arguments = (outcome.args, outcome.kwargs or {})
-        again.as_of = outcome.as_of
+        if outcome.as_of is not None:  # over the header it came with, as send_again does
+            again.as_of = outcome.as_of
         world.note(f"{message.task_id} requeued ({outcome.cause}) in {outcome.countdown:.2f}s")
         world._publish(again, outcome.countdown)
         world._ack(message)
@@ -764,7 +787,8 @@ class SimOutcomes(outcomes.OutcomeHandler):
         world, message = self.world, self.message
         again = Message(**{**message.__dict__})
         again.requeues = outcome.requeues
-        again.as_of = outcome.as_of
+        if outcome.as_of is not None:
+            again.as_of = outcome.as_of
         again.set_aside = True
         world.note(f"copy of {message.task_id} set aside for {outcome.countdown:.2f}s")
         world._publish(again, outcome.countdown)

@@ -1,0 +1,230 @@
+"""Seeded protocol bugs, each a small patch a reviewer could plausibly write, and the
+proof that the simulation catches every one within the CI seed budget.
+
+``python -m tests.simulation.mutants`` applies each patch, one at a time, to a copy of
+the package, runs the CI seeds against it in a process of its own (so the copy is the
+``celery_exclusive`` it imports), and reports which seed caught it, and how soon.
+``--only NAME`` runs one; ``--seeds N`` sets the budget. Exit status 1 if any bug was
+not caught.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "celery_exclusive"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One seeded bug: in ``path`` (under the package), ``old`` becomes ``new``."""
+
+    name: str
+    what: str
+    path: str
+    old: str
+    new: str
+
+
+MUTANTS = [
+    Mutant(
+        "release-without-owner-check",
+        "the store frees whichever grant of the key it finds, not the owner's",
+        "backends/memory.py",
+        "            if grants.pop(lease.owner, None) is None:",
+        "            if grants.pop(next(iter(grants), lease.owner), None) is None:",
+    ),
+    Mutant(
+        "renew-without-owner-check",
+        "a renewal extends the key's first grant, whoever holds it",
+        "backends/memory.py",
+        "                grant = store.live(lease.key, now).get(lease.owner)",
+        "                grant = next(iter(store.live(lease.key, now).values()), None)",
+    ),
+    Mutant(
+        "limit-off-by-one",
+        "the store grants one slot more than the key's limit",
+        "backends/memory.py",
+        "            admitted, rest = admit(line, claimant, limit - len(grants), store.clock())",
+        "            admitted, rest = admit(line, claimant, limit + 1 - len(grants), store.clock())",
+    ),
+    Mutant(
+        "deadline-from-the-answer",
+        "a confirmed renewal extends the deadline from when its answer came, not its send",
+        "core/heartbeat.py",
+        "            self.heartbeat._confirmed(self.leases, lost, self.started)",
+        "            self.heartbeat._confirmed(self.leases, lost, runtime.monotonic())",
+    ),
+    Mutant(
+        "deadline-past-the-ttl",
+        "the holder's deadline adds the safety margin instead of taking it off",
+        "core/lease.py",
+        "        return self.renewed_at + self.ttl - self.margin",
+        "        return self.renewed_at + self.ttl + self.margin",
+    ),
+    Mutant(
+        "lost-ignores-the-deadline",
+        "a lease counts as lost only once someone flagged it, not when its deadline passed",
+        "core/lease.py",
+        "        return (runtime.monotonic() if ended_at is None else ended_at) >= self.deadline",
+        "        return False",
+    ),
+    Mutant(
+        "no-interrupt-on-loss",
+        "a body whose lease is lost is never interrupted",
+        "core/terminate.py",
+        "        if not self.running:\n            return\n        if not self.interrupt:",
+        "        if True:\n            return\n        if not self.interrupt:",
+    ),
+    Mutant(
+        "finished-mark-forgotten",
+        "the end of a run whose message may come again is never recorded",
+        "engine/attempt.py",
+        "        if ended and self.host.redelivery and call.task_id:\n            try:\n"
+        "                if self._record_end_and_release(lease, write):",
+        "        if False:\n            try:\n"
+        "                if self._record_end_and_release(lease, write):",
+    ),
+    Mutant(
+        "release-before-the-mark",
+        "the finished mark is written after the release, not with it",
+        "engine/attempt.py",
+        "            if lease.release(End(mark, write)) is not None:",
+        "            if lease.release(End(None, write)) is not None:\n"
+        "                self._mark_finished(lease)",
+    ),
+    Mutant(
+        "ended-off-by-one",
+        "an attempt counts as ended only if a later one did",
+        "core/marks.py",
+        "    return not resumed and finished is not None and finished >= retries",
+        "    return not resumed and finished is not None and finished > retries",
+    ),
+    Mutant(
+        "copy-runs-beside-its-first-delivery",
+        "a copy of a call whose first delivery holds the key is taken for a duplicate",
+        "core/policies.py",
+        "    if redelivery and task_id in holding:",
+        "    if False:",
+    ),
+    Mutant(
+        "take-the-rerun-twice",
+        "taking a pending rerun's arguments leaves them pending",
+        "core/marks.py",
+        "            if backend.swap_mark(key, RERUN, current, None, 0):",
+        "            if backend.swap_mark(key, RERUN, current, current, RERUN_TTL):",
+    ),
+    Mutant(
+        "older-change-replaces-newer",
+        "a change that joins the pending rerun late replaces a newer one",
+        "core/marks.py",
+        '        elif latest and changed_at(arguments) >= changed_at(pending["arguments"]):',
+        "        elif latest:",
+    ),
+    Mutant(
+        "dead-rerun-args-dropped",
+        "a duplicate taking a dead pending rerun's place drops its newer change",
+        "core/marks.py",
+        '            if pending is not None and changed_at(pending["arguments"]) > '
+        "changed_at(arguments):",
+        "            if False:",
+    ),
+    Mutant(
+        "owed-run-never-handed-on",
+        "the run a dead pending rerun owed its duplicates is never sent",
+        "engine/attempt.py",
+        "    arguments = marks.drop_dead_rerun(backend, key, task_id)\n    if arguments is None:",
+        "    arguments = None\n    if arguments is None:",
+    ),
+    Mutant(
+        "skip-records-no-end",
+        "a duplicate that ends without running never records its end",
+        "engine/attempt.py",
+        "        if not (self.host.redelivery and call.task_id) or call.set_aside:",
+        "        if True:",
+    ),
+    Mutant(
+        "taken-arguments-lost",
+        "the arguments a pending rerun took are lost when the store fails right after",
+        "engine/attempt.py",
+        "        taken = exc.arguments if isinstance(exc, marks.LostTake) else None",
+        "        taken = None",
+    ),
+    Mutant(
+        "requeue-without-its-stamp",
+        "a requeued call forgets when its change was sent",
+        "engine/attempt.py",
+        "            claimed = dataclasses.replace(claimed, as_of=self.as_of)",
+        "            claimed = dataclasses.replace(claimed, as_of=None)",
+    ),
+    Mutant(
+        "priority-waits-on-the-away",
+        "a waiting priority call stays behind one that is away",
+        "core/marks.py",
+        '        while priority and not away and place > 0 and entries[place - 1].get("away") '
+        "is True:",
+        "        while False:",
+    ),
+]
+
+
+def run_mutant(mutant: Mutant, seeds: int) -> tuple[Optional[int], float, str]:
+    """Apply ``mutant`` to a copy of the package and explore ``seeds`` schedules on it:
+    (the first seed that caught it or None, seconds taken, what it said)."""
+    with tempfile.TemporaryDirectory() as work:
+        copy = Path(work) / "celery_exclusive"
+        shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+        target = copy / mutant.path
+        text = target.read_text()
+        if text.count(mutant.old) != 1:
+            raise SystemExit(f"{mutant.name}: the patch does not apply once to {mutant.path}")
+        target.write_text(text.replace(mutant.old, mutant.new))
+        env = {**os.environ, "PYTHONPATH": f"{work}{os.pathsep}{ROOT}"}
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "tests.simulation.run", "--seeds", str(seeds)],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        took = time.monotonic() - started
+    first = done.stdout.splitlines()[0] if done.stdout else done.stderr[-300:]
+    if done.returncode == 0:
+        return None, took, first
+    seed = int(first.split()[1]) if first.startswith("seed ") else -1
+    return seed, took, first
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from .test_schedules import CI_SEEDS
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--seeds", type=int, default=CI_SEEDS)
+    parser.add_argument("--only", help="run the mutant of this name only")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTANTS if args.only in (None, m.name)]
+    missed = 0
+    print(f"{'seeded bug':38} {'caught by seed':>14} {'seconds':>8}  what the simulation said")
+    for mutant in chosen:
+        seed, took, said = run_mutant(mutant, args.seeds)
+        missed += seed is None
+        caught = "NOT CAUGHT" if seed is None else str(seed)
+        print(f"{mutant.name:38} {caught:>14} {took:8.1f}  {said[:110]}")
+    caught = len(chosen) - missed
+    print(f"caught {caught} of {len(chosen)} within {args.seeds} seeds")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
