@@ -56,7 +56,8 @@ MUTANTS = [
         "the store grants one slot more than the key's limit",
         "backends/memory.py",
         "            admitted, rest = admit(line, claimant, limit - len(grants), store.clock())",
-        "            admitted, rest = admit(line, claimant, limit + 1 - len(grants), store.clock())",
+        "            admitted, rest = admit(line, claimant, limit - len(grants) + 1, "
+        "store.clock())",
     ),
     Mutant(
         "deadline-from-the-answer",
@@ -96,14 +97,6 @@ MUTANTS = [
         "                if self._record_end_and_release(lease, write):",
     ),
     Mutant(
-        "release-before-the-mark",
-        "the finished mark is written after the release, not with it",
-        "engine/attempt.py",
-        "            if lease.release(End(mark, write)) is not None:",
-        "            if lease.release(End(None, write)) is not None:\n"
-        "                self._mark_finished(lease)",
-    ),
-    Mutant(
         "ended-off-by-one",
         "an attempt counts as ended only if a later one did",
         "core/marks.py",
@@ -114,7 +107,8 @@ MUTANTS = [
         "copy-runs-beside-its-first-delivery",
         "a copy of a call whose first delivery holds the key is taken for a duplicate",
         "core/policies.py",
-        "    if redelivery and task_id in holding:",
+        "    if redelivery and task_id and (task_id in holding or marks.waiting(backend, key, "
+        "task_id)):",
         "    if False:",
     ),
     Mutant(
@@ -161,19 +155,35 @@ MUTANTS = [
         "        taken = None",
     ),
     Mutant(
-        "requeue-without-its-stamp",
-        "a requeued call forgets when its change was sent",
-        "engine/attempt.py",
-        "            claimed = dataclasses.replace(claimed, as_of=self.as_of)",
-        "            claimed = dataclasses.replace(claimed, as_of=None)",
-    ),
-    Mutant(
         "priority-waits-on-the-away",
         "a waiting priority call stays behind one that is away",
         "core/marks.py",
         '        while priority and not away and place > 0 and entries[place - 1].get("away") '
         "is True:",
         "        while False:",
+    ),
+    Mutant(
+        "no-kill-after-the-grace",
+        "a body that swallows its interrupt is never killed once its grace ends",
+        "core/terminate.py",
+        "        if self.kill_process:\n            logger.error(\n"
+        '                "%s did not stop within',
+        '        if False:\n            logger.error(\n                "%s did not stop within',
+    ),
+    Mutant(
+        "copy-of-an-ended-attempt-runs",
+        "a copy granted the key runs although its attempt already ended",
+        "core/policies.py",
+        "    if marks.ended(finished, retries, resumed):\n        lease.release()\n"
+        "        return Dropped(lease.key)",
+        "    if False:\n        lease.release()\n        return Dropped(lease.key)",
+    ),
+    Mutant(
+        "finished-mark-expires-at-once",
+        "the finished mark of a run lasts a second, not as long as a copy may come",
+        "engine/attempt.py",
+        "        call, ttl = self.call, self.host.finished_ttl",
+        "        call, ttl = self.call, 1.0",
     ),
 ]
 

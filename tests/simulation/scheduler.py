@@ -35,6 +35,14 @@ from celery_exclusive import runtime
 
 #: The epoch the virtual wall clock starts at (so that store times look real).
 EPOCH = 1_800_000_000.0
+#: The least a timed wait takes (a real one always takes some time: code that waits
+#: out what is left of a period, to the last float, must see the clock move).
+TICK = 1e-6
+
+
+def later(now: float, seconds: float) -> float:
+    """When a wait of ``seconds`` from ``now`` ends: never at ``now`` itself."""
+    return now + max(seconds, TICK) if seconds > 0 else now
 
 
 class Killed(BaseException):
@@ -45,6 +53,14 @@ class Killed(BaseException):
 class Deadlock(Exception):
     """No greenlet can ever run again, yet some wait with no timeout on what nothing
     will set: a bug of the simulated code or of the simulation."""
+
+
+class Livelock(Exception):
+    """Greenlets run on and on while the clock stands still: something spins."""
+
+
+#: Steps at one instant of virtual time before the schedule counts as spinning.
+SPIN_LIMIT = 20_000
 
 
 class SimProcess:
@@ -61,6 +77,8 @@ class SimProcess:
         self.main: Optional[SimThread] = None
         #: Signals sent to the process, delivered to its main greenlet when it runs.
         self.pending: list[int] = []
+        #: When it was paused: (from, to) in virtual time.
+        self.pauses: list[tuple[float, float]] = []
 
     @property
     def paused(self) -> bool:
@@ -211,6 +229,7 @@ class Scheduler:
         if not process.alive or process.paused:
             return
         process.paused_until = self.now + seconds
+        process.pauses.append((self.now, self.now + seconds))
         self.trace(f"{self.now:9.3f} pause {process} for {seconds:.3f}s")
 
     def signal(self, process: SimProcess, signum: int) -> None:
@@ -302,12 +321,18 @@ class Scheduler:
     def run(self, until: float) -> None:
         """Run greenlets and the world's timers until nothing is left to do or the
         virtual clock reaches ``until``."""
+        instant, at_instant = self.now, 0
         while True:
             self._resume_paused()
             runnable = self._runnable()
             if runnable:
                 thread = runnable[self.rng.randrange(len(runnable))]
                 self._step(thread)
+                if self.now != instant:
+                    instant, at_instant = self.now, 0
+                at_instant += 1
+                if at_instant > SPIN_LIMIT:
+                    raise Livelock(f"{SPIN_LIMIT} steps at {self.now:.6f}, the last of {thread}")
                 continue
             due = self._due_timers()
             if due:
@@ -379,7 +404,7 @@ class Scheduler:
         sim = self
 
         def sleep(seconds: float) -> None:
-            sim.block(sim.now + max(0.0, seconds))
+            sim.block(later(sim.now, seconds))
 
         def getpid() -> int:
             return sim.running_process().pid if sim._running is not None else 1
@@ -456,7 +481,7 @@ class SimEvent(_Waitable):
         if self._flag:
             return True
         scheduler = Scheduler.current
-        until = None if timeout is None else scheduler.now + max(0.0, timeout)
+        until = None if timeout is None else later(scheduler.now, timeout)
         while not self._flag:
             if not scheduler.block(until, self) and until is not None and scheduler.now >= until:
                 break
@@ -475,7 +500,7 @@ class SimLock(_Waitable):
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         scheduler = Scheduler.current
         me = scheduler._running
-        until = None if timeout < 0 else scheduler.now + timeout
+        until = None if timeout < 0 else later(scheduler.now, timeout)
         while True:
             if self._owner is None:
                 self._owner, self._count = me, 1
@@ -522,7 +547,7 @@ class SimCondition(_Waitable):
         lock = self._lock
         count, lock._count = lock._count, 1
         lock.release()
-        until = None if timeout is None else scheduler.now + max(0.0, timeout)
+        until = None if timeout is None else later(scheduler.now, timeout)
         try:
             woken = scheduler.block(until, self)
         finally:

@@ -58,6 +58,8 @@ class SharedStore:
         self.outage = False
         #: The last fencing token granted per key, in grant order.
         self.last_token: dict[str, int] = {}
+        #: When each task id was granted a lease (store time of the grant).
+        self.grants_of: dict[str, list[float]] = {}
         self.calls = 0
 
     def granted(self, lease: Lease) -> None:
@@ -68,6 +70,10 @@ class SharedStore:
                 f"{last}: tokens must rise with every grant"
             )
         self.last_token[lease.key] = lease.fencing_token
+
+    def granted_to(self, task_id: Optional[str]) -> None:
+        if task_id:
+            self.grants_of.setdefault(task_id, []).append(self.scheduler.now)
 
 
 class LinkedStore(Backend):
@@ -143,6 +149,7 @@ class LinkedStore(Backend):
             grant = memory.try_acquire(key, owner, ttl, limit, holder, claimant)
             if grant is not None:
                 self.shared.granted(grant)
+                self.shared.granted_to((holder or {}).get("task_id"))
             return grant
 
         return self._call(f"try_acquire({key}, claimant={claimant})", apply)

@@ -14,6 +14,7 @@ later, a message rejected goes back to the queue.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import random
@@ -24,6 +25,7 @@ from typing import Any, Optional
 
 from celery_exclusive import runtime, signals
 from celery_exclusive.backends import memory as memory_module
+from celery_exclusive.celery.execution import finished_ttl_for
 from celery_exclusive.core import kill_notes, marks, outcomes, reaper
 from celery_exclusive.core.config import Settings
 from celery_exclusive.core.deadline import keeper
@@ -31,7 +33,6 @@ from celery_exclusive.core.feed import feed
 from celery_exclusive.core.heartbeat import heartbeat
 from celery_exclusive.core.lease import HeldLease
 from celery_exclusive.core.terminate import _running as running_stoppers
-from celery_exclusive.celery.execution import finished_ttl_for
 from celery_exclusive.engine import attempt
 from celery_exclusive.errors import DuplicateSkipped, ExclusiveError, LeaseLost
 
@@ -65,6 +66,8 @@ class Config:
     requeue_max_retries: Optional[int] = None
     #: Bodies call lease.ensure_held() before each step (else they rely on being stopped).
     checking_bodies: bool = True
+    #: Bodies swallow the LeaseLost that interrupts them (terminate's kill stops them).
+    stubborn: bool = False
     keys: int = 1
     messages: int = 6
     children: int = 2
@@ -133,6 +136,7 @@ def draw_config(rng) -> Config:
         wait_timeout=rng.choice([0.5, 2.0, 5.0]),
         requeue_max_retries=rng.choice([None, None, 3]),
         checking_bodies=rng.random() < 0.5,
+        stubborn=rng.random() < 0.1,
         keys=rng.choice([1, 1, 2]),
         messages=rng.randint(2, 12),
         children=rng.randint(1, 3),
@@ -448,6 +452,12 @@ class World:
         steps = max(1, int(duration / 0.25))
         try:
             for _ in range(steps):
+                if self.config.stubborn:
+                    # A body that swallows the interrupt (a broad except): only the kill
+                    # after its grace stops it.
+                    with contextlib.suppress(LeaseLost):
+                        runtime.sleep(duration / steps)
+                    continue
                 if self.config.checking_bodies or self.config.on_lease_lost != "terminate":
                     lease.ensure_held()
                 runtime.sleep(duration / steps)
@@ -567,8 +577,7 @@ class World:
             if (
                 body.lost_at is not None
                 and self.config.on_lease_lost == "terminate"
-                and now > body.lost_at + self.config.terminate_grace + 1.0
-                and not self._paused_since(body)
+                and self._ran_since(body, body.lost_at) > self.config.terminate_grace + 1.0
             ):
                 raise Violation(
                     f"body {body.task_id} was told of its loss at {body.lost_at:.3f} and "
@@ -582,8 +591,14 @@ class World:
                     + ", ".join(f"{b.task_id} token {b.lease.fencing_token}" for b in running)
                 )
 
-    def _paused_since(self, body: Body) -> bool:
-        return False
+    def _ran_since(self, body: Body, since: float) -> float:
+        """Virtual seconds the body's process was not paused, from ``since`` to now (the
+        grace counts the time a process runs, as terminate's grace timer does)."""
+        now = self.scheduler.now
+        paused = sum(
+            max(0.0, min(end, now) - max(start, since)) for start, end in body.process.pauses
+        )
+        return now - since - paused
 
     def check_ends(self) -> None:
         """At the end: every message reached one defined end; none ran twice unless a
@@ -650,7 +665,7 @@ class World:
                     last[key] = (arrived, version)
             for key, (arrived, version) in last.items():
                 task_id = next(t for t, a in self.arrived.items() if a[1:] == (key, version))
-                if self._failed_on_the_way(task_id):
+                if self._failed_on_the_way(task_id, arrived):
                     continue  # a call it counted on failed, with a named error
                 if any(
                     f"as the pending rerun of {key!r} and could not hand its run on" in line
@@ -669,15 +684,17 @@ class World:
                         f"at {arrived:.3f} and saw it"
                     )
 
-    def _failed_on_the_way(self, task_id: str, depth: int = 0) -> bool:
-        """Whether the call ``task_id``, or the pending rerun it coalesced into (and so
-        on), ended in a named error (lost with its process, failed, gave up): then
-        nobody owes the change a run, and the error says so."""
+    def _failed_on_the_way(self, task_id: str, since: float, depth: int = 0) -> bool:
+        """Whether the call ``task_id`` ended in a named error (lost with its process,
+        failed, gave up), or the pending rerun it coalesced into did once it had taken
+        the change (granted its key after it joined): then its run started and died
+        with it, as any run does, and the error says so. A pending rerun that died
+        before it took the change owes it a run (the worker hands it on)."""
         ends = self.ends.get(task_id, [])
         if any(kind in ("lost", "failed", "gave up") for _, kind, _ in ends):
-            return True
-        into = [detail for _, kind, detail in ends if kind == "coalesced"]
-        return depth < 20 and any(self._failed_on_the_way(t, depth + 1) for t in into)
+            return depth == 0 or any(t >= since for t in self.store.grants_of.get(task_id, ()))
+        into = [(when, detail) for when, kind, detail in ends if kind == "coalesced"]
+        return depth < 20 and any(self._failed_on_the_way(t, when, depth + 1) for when, t in into)
 
 
 class _TraceHandler(logging.Handler):
