@@ -1,4 +1,5 @@
-"""The Redis store's one failure translator: every redis-py exception leaves it here.
+"""What each redis-py exception becomes for the library, as the connection's
+:meth:`~.connection.RedisConnection.translate` asks.
 
 Retrying fixes an outage (a store that does not answer, is loading, is read-only in a
 failover, or asks to try again): that becomes :class:`BackendUnavailable`, and a task
@@ -15,42 +16,19 @@ from typing import Optional
 
 from redis import exceptions as rex
 
-from ...errors import BackendUnavailable, ConfigurationError, ExclusiveError
+from ...errors import ConfigurationError, ExclusiveError
+from ..base import unavailable
 
 #: Every command the store runs, in scripts or directly: the minimal ACL grants these
 #: (``ACL SETUSER <user> on >password ~{<prefix>* +<each>``). ``select`` only for a
 #: database other than 0; ``wait`` only with ``min_replicas``; ``info`` for the
 #: start-up check; ``scan`` for the CLI's ``ls``.
 ACL_COMMANDS = [
-    "evalsha",
-    "script|load",
-    "get",
-    "mget",
-    "set",
-    "del",
-    "exists",
-    "type",
-    "time",
-    "pttl",
-    "pexpire",
-    "zadd",
-    "zrem",
-    "zscore",
-    "zcard",
-    "zcount",
-    "zrangebyscore",
-    "zremrangebyscore",
-    "hget",
-    "hset",
-    "hdel",
-    "rpush",
-    "ltrim",
-    "blpop",
-    "scan",
-    "info",
-    "select",
-    "wait",
-]
+    "evalsha", "script|load", "get", "mget", "set", "del", "exists", "type", "time", "pttl",
+    "pexpire", "zadd", "zrem", "zscore", "zcard", "zcount", "zrangebyscore",
+    "zremrangebyscore", "hget", "hset", "hdel", "rpush", "ltrim", "blpop", "scan", "info",
+    "select", "wait",
+]  # fmt: skip
 
 #: What a Redis Cluster client needs beyond :data:`ACL_COMMANDS`.
 ACL_CLUSTER_COMMANDS = ("cluster|slots", "command")
@@ -69,7 +47,7 @@ _AUTH_REPLIES = ("WRONGPASS", "NOAUTH", "INVALID USERNAME-PASSWORD", "AUTH FAILE
 _TLS_WORDS = ("CERTIFICATE", "WRONG_VERSION_NUMBER", "WRONG VERSION NUMBER", "ALERT", "[SSL")
 
 
-def translate(
+def library_error(
     exc: BaseException, url: str, action: str, key: Optional[str] = None, cluster: bool = False
 ) -> ExclusiveError:
     """The error ``exc`` (raised by redis-py while ``action``) becomes for callers.
@@ -82,12 +60,12 @@ def translate(
     if isinstance(exc, ExclusiveError):
         return exc
     if isinstance(exc, _TRANSIENT_ERRORS):
-        return unavailable(exc, url, action)
+        return unavailable(url, action, exc)
     if cluster and ("NON LOCAL KEY" in upper or "CLUSTER IS DOWN" in upper):
         # A script refused an entry of its own key's slot: the slot is moving between
         # masters (resharding), and the script runs once the move is done. Or a script
         # ran on a node that lost its cluster's majority, which comes back.
-        return unavailable(exc, url, action)
+        return unavailable(url, action, exc)
     if (
         isinstance(exc, rex.NoPermissionError)
         or "NOPERM" in upper
@@ -156,16 +134,7 @@ def translate(
             "retrying will not help. Check exclusive_backend_url and the server's version "
             "(Redis >= 6.2)."
         )
-    return unavailable(exc, url, action)
-
-
-def unavailable(exc: BaseException, url: str, action: str) -> BackendUnavailable:
-    return BackendUnavailable(
-        f"the lease store at {url} did not answer while {action} "
-        f"({type(exc).__name__}: {exc}). Check that it is running and reachable, or "
-        "choose what tasks do meanwhile with exclusive_on_backend_error.",
-        url,
-    )
+    return unavailable(url, action, exc)
 
 
 def _tls_failure(exc: BaseException) -> bool:

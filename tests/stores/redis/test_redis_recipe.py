@@ -2,12 +2,12 @@
 
 Real Redis, real redis-py ``Lock`` and python-redis-lock in this process; a task call
 is what ``ExclusiveTask`` makes of one (:func:`policies.claim`). Real workers:
-test_redis_recipe_workers.py.
+test_redis_recipe_workers.py; the store's contract: the ``redis-set-nx`` case of
+tests/contract.
 """
 
 from __future__ import annotations
 
-import inspect
 import threading
 import time
 import uuid
@@ -32,8 +32,7 @@ from celery_exclusive.backends.redis.recipe import RecipeLayout, SetNxBackend, b
 from celery_exclusive.core import outcomes, policies
 from celery_exclusive.core.config import Settings
 from celery_exclusive.core.heartbeat import heartbeat
-from tests.conftest import BackendCase
-from tests.contract import test_backend_contract as contract
+from celery_exclusive.core.lease import acquire
 
 KEY = "exclusive:invoice:7"
 
@@ -64,22 +63,6 @@ def store(recipe_url):
 def task_call(url: str, task_id: str, policy: str = "skip"):
     settings = Settings(backend_url=url, lease_ttl=10.0, on_duplicate=policy)
     return policies.claim(settings, backend_for_url(url), KEY, "billing.settle", task_id)
-
-
-# --- the store's contract, but for limits: the recipe has one holder per key ------------
-
-
-@pytest.fixture
-def backend_case(redis_url):
-    return BackendCase(redis_url + "?recipe=set-nx")
-
-
-backend = store
-marks = contract.marks
-for _name, _test in vars(contract).items():
-    if _name.startswith("test_") and "limit" not in inspect.getsource(_test):
-        globals()[f"{_name}_under_the_recipe"] = _test
-del _name, _test
 
 
 # --- a foreign holder -------------------------------------------------------------------
@@ -232,8 +215,10 @@ def test_our_waiter_never_takes_a_wake_up_meant_for_python_redis_lock_waiters(
 
 
 def test_a_limit_is_refused_naming_the_key_and_the_fix(store):
-    with pytest.raises(ConfigurationError, match="one holder per key.*exclusive_limit=2"):
-        store.try_acquire(KEY, owner(), 10, limit=2)
+    with pytest.raises(
+        ConfigurationError, match="does not offer limits.*invoice:7.*exclusive_limit"
+    ):
+        acquire(store, KEY, 10, limit=2, name="billing.settle")
 
 
 def test_a_key_naming_an_entry_of_the_store_is_refused(store):
@@ -242,7 +227,7 @@ def test_a_key_naming_an_entry_of_the_store_is_refused(store):
 
 
 def test_an_unknown_recipe_is_refused_naming_the_ones_there_are(redis_url):
-    with pytest.raises(ConfigurationError, match="recipe= takes set-nx"):
+    with pytest.raises(ConfigurationError, match="recipe='redlock'.*its recipes: set-nx"):
         _load(redis_url + "?recipe=redlock")
 
 

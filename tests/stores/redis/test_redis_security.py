@@ -12,6 +12,7 @@ import uuid
 
 import pytest
 
+from celery_exclusive.backends import MarkRead
 from celery_exclusive.backends.redis import RedisBackend
 from celery_exclusive.backends.redis.checks import speaks_tls
 from celery_exclusive.backends.redis.failures import ACL_COMMANDS
@@ -251,8 +252,8 @@ def test_a_grant_whose_finished_mark_may_not_be_read_is_given_back(acl_server):
         *(f"+{command}" for command in NEEDED),
     )  # fmt: skip
     backend = RedisBackend(f"redis://{user}:{PASSWORD}@127.0.0.1:{acl_server.port}/0")
-    mark = (finished_key("exclusive:k", "task-1"), DONE)
+    read = MarkRead(finished_key("exclusive:k", "task-1"), DONE)
     with pytest.raises(ConfigurationError, match="ACL SETUSER"):
-        backend.try_acquire_and_read_mark("exclusive:k", owner(), 30, 1, None, None, mark)
+        backend.try_acquire("exclusive:k", owner(), 30, read=read)
     assert backend.holders_of("exclusive:k") == []
     backend.close()
