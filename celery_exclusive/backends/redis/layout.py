@@ -39,6 +39,12 @@ from typing import Any, Callable, NamedTuple, Optional, Protocol
 from ..base import LeaseInfo
 from ..line import LINE
 
+#: The name of every entry but the lease: its key's hash tag, then ``:`` and what the
+#: functions below add to it, or (beside a key of ``?recipe=set-nx``) ``~`` and more.
+ENTRY = re.compile(
+    r"\{[^}]*\}(?:~|:(?:fence|holders|waiting|events|signal)\Z|:(?:signal|mark|record):)"
+)
+
 _ESCAPES = {ord("%"): "%25", ord("}"): "%7D"}
 _UNESCAPE = re.compile("%(25|7D)")
 _UNESCAPED = {"25": "%", "7D": "}"}

@@ -104,9 +104,11 @@ def beside(key: str) -> str:
 
 
 def internal(name: str) -> bool:
-    """Whether ``name`` is in the store's own namespace (``{...}`` followed by more):
-    the entries beside keys, which no lease key may take."""
-    return name.startswith("{") and name.find("}") not in (-1, len(name) - 1)
+    """Whether ``name`` is one of the store's own entries (:data:`.layout.ENTRY`: beside
+    a key, or of the store's own layout), which no lease key may take. Any other name,
+    hash tag or not, is a key of its own: ``{user42}:lock``, as Redis Cluster users name
+    a lock, keeps its entries beside it in its tag's slot."""
+    return layout.ENTRY.match(name) is not None
 
 
 class RecipeLayout:
@@ -191,9 +193,11 @@ class SetNxBackend(Backend):
     ) -> Optional[Lease]:
         if internal(key):
             raise ConfigurationError(
-                f"the lease key {key!r} names one of the store's own entries ({{...}} "
-                f"followed by more) in {self.safe_url}: with ?recipe={self.recipe} a key is "
-                "a Redis key of its own; change exclusive_key or exclusive_key_prefix."
+                f"the lease key {key!r} names one of the store's own entries (a hash tag, "
+                "then the name of an entry: ':fence', ':mark:<kind>', ...) in "
+                f"{self.safe_url}: with ?recipe={self.recipe} a key is a Redis key of its "
+                "own; change exclusive_key or exclusive_key_prefix (a hash tag followed by "
+                "anything else, such as '{user42}:lock', is a key like any other)."
             )
         return self.connection.acquire(self.names, key, owner, ttl, limit, holder, claimant, read)
 
