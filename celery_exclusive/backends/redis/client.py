@@ -75,13 +75,16 @@ class StoreOptions:
     min_replicas: int = 0
     #: Seconds ``WAIT`` gives the replicas before the grant is withdrawn.
     min_replicas_timeout: float = 0.5
+    #: The database the URL names (as redis-py reads it: ``?db=``, else the path), for
+    #: the permissions its user needs; Redis Cluster has one, 0.
+    database: int = 0
 
 
 def store_options(url: str) -> StoreOptions:
     """What ``url`` asks of the store; every option checked, nothing connected yet."""
     parts = urlsplit(url)
     query = dict(parse_qsl(parts.query, keep_blank_values=True))
-    options = _store_options(url, parts.scheme, query)
+    options = _store_options(url, parts, query)
     if options.min_replicas and options.topology == "cluster":
         raise _bad_url(url, "min_replicas is for redis:// and redis+sentinel:// URLs")
     if "ssl_cert_reqs" in query:
@@ -123,7 +126,7 @@ def brief_retry() -> Retry:
 def _connect(url: str) -> Client:
     parts = urlsplit(url)
     query = dict(parse_qsl(parts.query, keep_blank_values=True))
-    options = _store_options(url, parts.scheme, query)
+    options = _store_options(url, parts, query)
     if "ssl_cert_reqs" in query:
         query["ssl_cert_reqs"] = _cert_reqs(url, query["ssl_cert_reqs"])
     query.setdefault("socket_connect_timeout", str(CONNECT_TIMEOUT))
@@ -141,7 +144,8 @@ def _connect(url: str) -> Client:
     return _sentinel(url, parts, query, node_kwargs, tls)
 
 
-def _store_options(url: str, scheme: str, query: dict) -> StoreOptions:
+def _store_options(url: str, parts, query: dict) -> StoreOptions:
+    scheme = parts.scheme
     topology = (
         "cluster"
         if scheme in CLUSTER_SCHEMES
@@ -159,11 +163,17 @@ def _store_options(url: str, scheme: str, query: dict) -> StoreOptions:
     if min_replicas < 0 or timeout <= 0:
         raise _bad_url(url, "min_replicas must be >= 0 and min_replicas_timeout > 0")
     query.pop("recipe", None)  # the layout's (backends._layout), not the client's
+    path = [part for part in parts.path.split("/") if part]
+    if topology == "standalone":
+        database = query.get("db") or (path[0] if path else "0")
+    else:  # a Sentinel URL names its service first; a Cluster has database 0
+        database = path[1] if topology == "sentinel" and len(path) > 1 else "0"
     return StoreOptions(
         topology=topology,
         allow_eviction=_flag(url, query.pop("allow_eviction", None), False),
         min_replicas=min_replicas,
         min_replicas_timeout=timeout,
+        database=int(database) if database.isdigit() else 0,
     )
 
 

@@ -82,7 +82,7 @@ class RedisConnection(Connection):
     def translate(
         self, exc: BaseException, action: str, key: Optional[str] = None
     ) -> ExclusiveError:
-        error = failures.library_error(exc, self.safe_url, action, key, self.cluster)
+        error = failures.library_error(exc, self.safe_url, action, key, self.options)
         if isinstance(exc, MasterNotFoundError):
             error = self._why_no_master(action) or error
         return error
@@ -101,7 +101,8 @@ class RedisConnection(Connection):
             try:
                 sentinel.ping()
             except RedisError as exc:
-                error = failures.library_error(exc, self.safe_url, f"{action}, asking a sentinel")
+                asking = f"{action}, asking a sentinel"
+                error = failures.library_error(exc, self.safe_url, asking, None, self.options)
                 if not isinstance(error, ConfigurationError):
                     continue
                 if "credentials" in str(error):
