@@ -22,7 +22,8 @@ from celery_exclusive.backends.redis import RedisBackend
 
 
 def _ours(client: redis.Redis):
-    backend = RedisBackend("redis://", client=client)
+    where = client.connection_pool.connection_kwargs  # the same server, a client of its own
+    backend = RedisBackend(f"redis://{where['host']}:{where['port']}/{where.get('db', 0)}")
     holder = {"task": "bench.task", "task_id": str(uuid.uuid4()), "hostname": "h", "pid": 1}
 
     def pair() -> None:

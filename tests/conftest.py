@@ -174,6 +174,10 @@ BACKEND_CASES = {
     "mongodb": lambda request: BackendCase(request.getfixturevalue("mongodb_url")),
     "postgresql": lambda request: BackendCase(request.getfixturevalue("postgresql_url")),
     "redis-cluster": lambda request: BackendCase(request.getfixturevalue("redis_cluster_url")),
+    # The Redis store speaking Redis's SET NX lock recipe (?recipe=set-nx).
+    "redis-set-nx": lambda request: BackendCase(
+        request.getfixturevalue("redis_url") + "?recipe=set-nx"
+    ),
     "consul": lambda request: BackendCase(
         request.getfixturevalue("consul_url"),
         short_ttl=request.getfixturevalue("consul_server").short_ttl,

@@ -164,7 +164,7 @@ def test_a_mark_that_cannot_be_read_after_a_redis_grant_gives_the_grant_back(red
     from celery_exclusive.backends.redis import RedisBackend, layout
 
     backend = RedisBackend(redis_url)
-    backend.client.rpush(layout.mark("done-of-k", "x"), "not a string")  # GET: WRONGTYPE
+    backend.connection.client.rpush(layout.mark("done-of-k", "x"), "not a string")  # GET: WRONGTYPE
     with pytest.raises(ConfigurationError):
         acquire(backend, "k", 10, read=MarkRead("done-of-k", "x"))
     assert backend.holders_of("k") == []

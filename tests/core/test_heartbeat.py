@@ -33,12 +33,13 @@ from celery_exclusive.backends.redis import RedisBackend, layout
 from celery_exclusive.core.lease import acquire, heartbeat
 
 store = RedisBackend(sys.argv[1])
-evalsha_calls = lambda: store.client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+client = store.connection.client
+evalsha_calls = lambda: client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
 leases = [acquire(store, f"k{i}", ttl=30, name="t") for i in range(5)]
 heartbeat().beat()  # the first call of a script also loads it (NOSCRIPT, EVALSHA)
 before = evalsha_calls()
 heartbeat().beat()
-print(evalsha_calls() - before, min(store.client.pttl(layout.lease(l.key)) for l in leases))
+print(evalsha_calls() - before, min(client.pttl(layout.lease(l.key)) for l in leases))
 for lease in leases:
     lease.release()
 """

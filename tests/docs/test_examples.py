@@ -214,13 +214,17 @@ def test_a_diagram_is_one_mermaid_draws(block):
 
 @pytest.mark.parametrize("block", of_kind("acl"))
 def test_the_redis_acl_grants_what_the_store_needs(block):
-    from celery_exclusive.backends.redis.failures import ACL_COMMANDS
+    """Exactly what the store asks of a user of database 0 without min_replicas, on a
+    plain Redis, or on Redis Cluster where the paragraph above says so: the rule its
+    permission errors advise."""
+    from celery_exclusive.backends.redis.client import StoreOptions
+    from celery_exclusive.backends.redis.failures import acl_commands
 
     words = block.text.split()
     assert words[:2] == ["ACL", "SETUSER"], block.where
-    granted = {word[1:] for word in words if word.startswith("+")}
-    # A database other than 0 needs select, min_replicas needs wait: the page says so.
-    assert granted == set(ACL_COMMANDS) - {"select", "wait"}, block.where
+    granted = [word[1:] for word in words if word.startswith("+")]
+    topology = "cluster" if "Redis Cluster" in block.before else "standalone"
+    assert granted == acl_commands(StoreOptions(topology=topology)), block.where
     assert "~{exclusive:*" in words and "-@all" in words, block.where
 
 

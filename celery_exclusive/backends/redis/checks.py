@@ -15,55 +15,45 @@ import socket
 import ssl
 import time
 import uuid
-from typing import Any, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import urlsplit
 
 from redis.cluster import RedisCluster
 
-from ...errors import ConfigurationError
+from ...errors import BackendUnavailable, ConfigurationError
 from ..base import Backend
 from ..line import LINE
 from . import layout
-from .client import CONNECT_TIMEOUT, SENTINEL_SCHEMES, TLS_SCHEMES, StoreOptions, hosts
+from .client import CONNECT_TIMEOUT, SENTINEL_SCHEMES, TLS_SCHEMES, hosts
+
+if TYPE_CHECKING:
+    from .connection import RedisConnection
 
 
-class Checked(Protocol):
-    """What the check reads of the Redis store it checks (the store itself or its
-    recipe), beside the store protocol: its URL, its options and its client."""
-
-    url: str
-    cluster: bool
-    options: StoreOptions
-
-    @property
-    def safe_url(self) -> str: ...
-
-    @property
-    def client(self) -> Any: ...
-
-    def _call(
-        self, action: str, key: Optional[str], fn: Callable[..., Any], *args: Any, **kwargs: Any
-    ) -> Any: ...
-
-
-def server_warnings(backend: Checked) -> list[str]:
+def server_warnings(connection: RedisConnection) -> list[str]:
     """Refuse a server that can evict leases or sits behind the wrong URL form; warn of
-    one that forgets them on restart. Returns the warnings."""
-    url = backend.safe_url
+    one that forgets them on restart. Returns the warnings. A server that does not
+    answer is asked whether it speaks TLS to a plain-text URL, before the outage is
+    raised."""
+    url, cluster = connection.safe_url, connection.cluster
     sections = ("memory", "persistence", "cluster", "replication")
-    if backend.cluster:
-        primaries = RedisCluster.PRIMARIES
-        per_node = backend._call(
-            "reading INFO", None, backend.client.info, *sections, target_nodes=primaries
-        )
-        infos = list(per_node.values()) if isinstance(per_node, dict) else [per_node]
-        if infos and "maxmemory_policy" not in infos[0]:  # one node answered flat
-            infos = [per_node]
-    else:
-        infos = [backend._call("reading INFO", None, backend.client.info, *sections)]
+    try:
+        if cluster:
+            primaries = RedisCluster.PRIMARIES
+            per_node = connection.call(
+                "reading INFO", None, connection.client.info, *sections, target_nodes=primaries
+            )
+            infos = list(per_node.values()) if isinstance(per_node, dict) else [per_node]
+            if infos and "maxmemory_policy" not in infos[0]:  # one node answered flat
+                infos = [per_node]
+        else:
+            infos = [connection.call("reading INFO", None, connection.client.info, *sections)]
+    except BackendUnavailable:
+        refuse_plain_text_to_tls(connection)
+        raise
     warnings: list[str] = []
     for info in infos:
-        if not backend.cluster and int(info.get("cluster_enabled", 0)):
+        if not cluster and int(info.get("cluster_enabled", 0)):
             raise ConfigurationError(
                 f"exclusive_backend_url {url} points at a Redis Cluster node; write it as "
                 "redis+cluster://host:port[,host:port] so that each key reaches its node."
@@ -77,7 +67,7 @@ def server_warnings(backend: Checked) -> list[str]:
                 "CONFIG SET maxmemory-policy noeviction), or give leases a Redis of their "
                 "own"
             )
-            if not backend.options.allow_eviction:
+            if not connection.options.allow_eviction:
                 raise ConfigurationError(
                     message + "; where the policy cannot be changed (managed Redis) and the "
                     "risk is accepted, add allow_eviction=true to exclusive_backend_url."
@@ -93,7 +83,7 @@ def server_warnings(backend: Checked) -> list[str]:
                 "storage that checks them refuses the older holder's writes. Set "
                 "appendonly yes to keep leases across restarts."
             )
-        wanted = backend.options.min_replicas
+        wanted = connection.options.min_replicas
         replicas = int(info.get("connected_slaves", 0))
         if wanted and replicas < wanted:
             warnings.append(
@@ -148,19 +138,19 @@ def exercise(backend: Backend, probe_key: str, delete: Callable[..., Any]) -> No
             delete(name, *names)
 
 
-def refuse_plain_text_to_tls(backend: Checked) -> None:
-    """Raise ConfigurationError if ``backend``'s URL speaks plain text to a port that
-    speaks TLS: such a server resets every connection, which would read as an outage
-    and requeue tasks forever."""
-    parts = urlsplit(backend.url)
+def refuse_plain_text_to_tls(connection: RedisConnection) -> None:
+    """Raise ConfigurationError if the URL speaks plain text to a port that speaks TLS:
+    such a server resets every connection, which would read as an outage and requeue
+    tasks forever."""
+    parts = urlsplit(connection.url)
     if parts.scheme in TLS_SCHEMES or "ssl=" in parts.query or not parts.hostname:
         return
     default_port = 26379 if parts.scheme in SENTINEL_SCHEMES else 6379
-    for host, port in hosts(backend.url, parts, default_port):
+    for host, port in hosts(connection.url, parts, default_port):
         if speaks_tls(host, port):
             scheme = "rediss" + parts.scheme[len("redis") :]
             raise ConfigurationError(
-                f"exclusive_backend_url {backend.safe_url} speaks plain text to {host}:{port}, "
+                f"exclusive_backend_url {connection.safe_url} speaks plain text to {host}:{port}, "
                 f"which speaks TLS and resets every plain-text connection. Write the URL as "
                 f"{scheme}://... (with ssl_ca_certs=<the CA that signed the server's "
                 "certificate> where a private CA did)."

@@ -14,8 +14,9 @@ Options (query string): ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``,
 ``socket_timeout``, ``socket_connect_timeout``; for Sentinel also ``sentinel_username``,
 ``sentinel_password``, ``sentinel_ssl`` (default: as the data nodes); and the store's
 own (:class:`StoreOptions`): ``allow_eviction``, ``min_replicas``,
-``min_replicas_timeout``, ``recipe`` (``set-nx``: see recipe.py). Options of the store
-belong in its URL: a broker URL reused as the store URL keeps its meaning for both.
+``min_replicas_timeout``; ``recipe`` picks the layout (``set-nx``: see recipe.py).
+Options of the store belong in its URL: a broker URL reused as the store URL keeps its
+meaning for both.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.retry import Retry
 
 from ...errors import ConfigurationError
+from ..base import redact_url
 
 #: Seconds to connect, and to wait for any non-blocking reply.
 CONNECT_TIMEOUT, SOCKET_TIMEOUT = 2.0, 5.0
@@ -73,15 +75,16 @@ class StoreOptions:
     min_replicas: int = 0
     #: Seconds ``WAIT`` gives the replicas before the grant is withdrawn.
     min_replicas_timeout: float = 0.5
-    #: ``?recipe=set-nx``: leases on the key's own name by Redis's SET NX lock recipe.
-    recipe: Optional[str] = None
+    #: The database the URL names (as redis-py reads it: ``?db=``, else the path), for
+    #: the permissions its user needs; Redis Cluster has one, 0.
+    database: int = 0
 
 
 def store_options(url: str) -> StoreOptions:
     """What ``url`` asks of the store; every option checked, nothing connected yet."""
     parts = urlsplit(url)
     query = dict(parse_qsl(parts.query, keep_blank_values=True))
-    options = _store_options(url, parts.scheme, query)
+    options = _store_options(url, parts, query)
     if options.min_replicas and options.topology == "cluster":
         raise _bad_url(url, "min_replicas is for redis:// and redis+sentinel:// URLs")
     if "ssl_cert_reqs" in query:
@@ -123,7 +126,7 @@ def brief_retry() -> Retry:
 def _connect(url: str) -> Client:
     parts = urlsplit(url)
     query = dict(parse_qsl(parts.query, keep_blank_values=True))
-    options = _store_options(url, parts.scheme, query)
+    options = _store_options(url, parts, query)
     if "ssl_cert_reqs" in query:
         query["ssl_cert_reqs"] = _cert_reqs(url, query["ssl_cert_reqs"])
     query.setdefault("socket_connect_timeout", str(CONNECT_TIMEOUT))
@@ -141,7 +144,8 @@ def _connect(url: str) -> Client:
     return _sentinel(url, parts, query, node_kwargs, tls)
 
 
-def _store_options(url: str, scheme: str, query: dict) -> StoreOptions:
+def _store_options(url: str, parts, query: dict) -> StoreOptions:
+    scheme = parts.scheme
     topology = (
         "cluster"
         if scheme in CLUSTER_SCHEMES
@@ -158,15 +162,18 @@ def _store_options(url: str, scheme: str, query: dict) -> StoreOptions:
         ) from None
     if min_replicas < 0 or timeout <= 0:
         raise _bad_url(url, "min_replicas must be >= 0 and min_replicas_timeout > 0")
-    recipe = query.pop("recipe", None)
-    if recipe not in (None, "set-nx"):
-        raise _bad_url(url, "recipe= takes set-nx (Redis's SET NX lock recipe), or nothing")
+    query.pop("recipe", None)  # the layout's (backends._layout), not the client's
+    path = [part for part in parts.path.split("/") if part]
+    if topology == "standalone":
+        database = query.get("db") or (path[0] if path else "0")
+    else:  # a Sentinel URL names its service first; a Cluster has database 0
+        database = path[1] if topology == "sentinel" and len(path) > 1 else "0"
     return StoreOptions(
         topology=topology,
         allow_eviction=_flag(url, query.pop("allow_eviction", None), False),
         min_replicas=min_replicas,
         min_replicas_timeout=timeout,
-        recipe=recipe,
+        database=int(database) if database.isdigit() else 0,
     )
 
 
@@ -191,18 +198,13 @@ def _node_kwargs(url: str, parts, query: dict, tls: bool) -> dict:
 
 
 def _cluster(url: str, parts, query: dict, node_kwargs: dict) -> RedisCluster:
-    from redis.exceptions import RedisError
-
-    from .failures import translate
-
+    """redis-py asks the nodes for their slots at once: the connection calls
+    :func:`connect` on first use, and translates what it raises."""
     if parts.path.strip("/") not in ("", "0"):
         raise _bad_url(url, "Redis Cluster has one database (0): leave the path out")
     _refuse_unknown(url, query)
     nodes = [ClusterNode(host, port) for host, port in hosts(url, parts, 6379)]
-    try:
-        return RedisCluster(startup_nodes=nodes, **node_kwargs)
-    except RedisError as exc:  # redis-py asks the nodes for their slots at once
-        raise translate(exc, redact(url), "connecting to the cluster") from None
+    return RedisCluster(startup_nodes=nodes, **node_kwargs)
 
 
 def _sentinel(url: str, parts, query: dict, node_kwargs: dict, tls: bool) -> redis.Redis:
@@ -277,10 +279,4 @@ def _flag(url: str, value: Optional[str], default: bool) -> bool:
 
 
 def _bad_url(url: str, why: str) -> ConfigurationError:
-    return ConfigurationError(f"exclusive_backend_url {redact(url)!r}: {why}.")
-
-
-def redact(url: str) -> str:
-    from ..base import redact_url
-
-    return redact_url(url)
+    return ConfigurationError(f"exclusive_backend_url {redact_url(url)!r}: {why}.")

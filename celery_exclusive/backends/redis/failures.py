@@ -1,4 +1,5 @@
-"""The Redis store's one failure translator: every redis-py exception leaves it here.
+"""What each redis-py exception becomes for the library, as the connection's
+:meth:`~.connection.RedisConnection.translate` asks.
 
 Retrying fixes an outage (a store that does not answer, is loading, is read-only in a
 failover, or asks to try again): that becomes :class:`BackendUnavailable`, and a task
@@ -15,45 +16,39 @@ from typing import Optional
 
 from redis import exceptions as rex
 
-from ...errors import BackendUnavailable, ConfigurationError, ExclusiveError
+from ...errors import ConfigurationError, ExclusiveError
+from ..base import unavailable
+from .client import StoreOptions
 
-#: Every command the store runs, in scripts or directly: the minimal ACL grants these
-#: (``ACL SETUSER <user> on >password ~{<prefix>* +<each>``). ``select`` only for a
-#: database other than 0; ``wait`` only with ``min_replicas``; ``info`` for the
-#: start-up check; ``scan`` for the CLI's ``ls``.
+#: The commands the store runs, in scripts or directly, whatever the URL: a
+#: least-privilege ACL user is granted these and the store's key pattern (``info`` for
+#: the start-up check, ``scan`` for the CLI's ``ls``); :func:`acl_commands` adds what a
+#: URL needs beyond them.
 ACL_COMMANDS = [
-    "evalsha",
-    "script|load",
-    "get",
-    "mget",
-    "set",
-    "del",
-    "exists",
-    "type",
-    "time",
-    "pttl",
-    "pexpire",
-    "zadd",
-    "zrem",
-    "zscore",
-    "zcard",
-    "zcount",
-    "zrangebyscore",
-    "zremrangebyscore",
-    "hget",
-    "hset",
-    "hdel",
-    "rpush",
-    "ltrim",
-    "blpop",
-    "scan",
-    "info",
-    "select",
-    "wait",
-]
+    "evalsha", "script|load", "get", "mget", "set", "del", "exists", "type", "time", "pttl",
+    "pexpire", "zadd", "zrem", "zscore", "zcard", "zcount", "zrangebyscore",
+    "zremrangebyscore", "hget", "hset", "hdel", "rpush", "ltrim", "blpop", "scan", "info",
+]  # fmt: skip
+#: What a Redis Cluster client asks every node before any command: the slots each
+#: serves, and where each command's keys are.
+ACL_CLUSTER_COMMANDS = ["cluster|slots", "command"]
 
-#: What a Redis Cluster client needs beyond :data:`ACL_COMMANDS`.
-ACL_CLUSTER_COMMANDS = ("cluster|slots", "command")
+
+def acl_commands(options: StoreOptions) -> list[str]:
+    """Every command the user of a URL asking ``options`` needs: :data:`ACL_COMMANDS`,
+    and ``select`` for a database other than 0, ``wait`` for ``min_replicas``, and
+    :data:`ACL_CLUSTER_COMMANDS` on Redis Cluster. What the errors below advise, and
+    what the docs' ACL rules grant (tests/docs checks that they agree)."""
+    extra = ACL_CLUSTER_COMMANDS if options.topology == "cluster" else []
+    extra += ["select"] if options.database else []
+    extra += ["wait"] if options.min_replicas else []
+    return ACL_COMMANDS + extra
+
+
+def acl_rule(options: StoreOptions) -> str:
+    """The ACL rule that grants the user of a URL asking ``options`` what it needs."""
+    return f"ACL SETUSER <user> ~{{<key_prefix>* +{' +'.join(acl_commands(options))}"
+
 
 #: Replies that say "not now": loading, a failover under way, a full or busy server.
 _TRANSIENT_ERRORS = (
@@ -69,25 +64,27 @@ _AUTH_REPLIES = ("WRONGPASS", "NOAUTH", "INVALID USERNAME-PASSWORD", "AUTH FAILE
 _TLS_WORDS = ("CERTIFICATE", "WRONG_VERSION_NUMBER", "WRONG VERSION NUMBER", "ALERT", "[SSL")
 
 
-def translate(
-    exc: BaseException, url: str, action: str, key: Optional[str] = None, cluster: bool = False
+def library_error(
+    exc: BaseException, url: str, action: str, key: Optional[str], options: StoreOptions
 ) -> ExclusiveError:
     """The error ``exc`` (raised by redis-py while ``action``) becomes for callers.
 
-    ``url`` is the store URL without its password; ``cluster`` says whether it is a
-    ``redis+cluster://`` URL (a MOVED reply is then redis-py's business, not a mistake).
+    ``url`` is the store URL without its password, ``options`` what it asks (on a
+    ``redis+cluster://`` URL a MOVED reply is redis-py's business, not a mistake; a
+    permission names what the URL's user needs).
     """
+    cluster = options.topology == "cluster"
     text = f"{type(exc).__name__}: {exc}"
     upper = str(exc).upper()
     if isinstance(exc, ExclusiveError):
         return exc
     if isinstance(exc, _TRANSIENT_ERRORS):
-        return unavailable(exc, url, action)
+        return unavailable(url, action, exc)
     if cluster and ("NON LOCAL KEY" in upper or "CLUSTER IS DOWN" in upper):
         # A script refused an entry of its own key's slot: the slot is moving between
         # masters (resharding), and the script runs once the move is done. Or a script
         # ran on a node that lost its cluster's majority, which comes back.
-        return unavailable(exc, url, action)
+        return unavailable(url, action, exc)
     if (
         isinstance(exc, rex.NoPermissionError)
         or "NOPERM" in upper
@@ -97,7 +94,7 @@ def translate(
         return ConfigurationError(
             f"the Redis user of exclusive_backend_url {url} lacks a permission the lease "
             f"store needs ({text}, while {action}). Grant it the store's key pattern and "
-            f"commands: ACL SETUSER <user> ~{{<key_prefix>* +{' +'.join(ACL_COMMANDS)} "
+            f"commands: {acl_rule(options)} "
             "(docs: how-to/stores/redis.md#a-least-privilege-acl-user)."
         )
     if isinstance(exc, (rex.AuthenticationError, rex.AuthenticationWrongNumberOfArgsError)) or any(
@@ -130,7 +127,8 @@ def translate(
         return ConfigurationError(
             f"exclusive_backend_url {url} names a Redis Cluster, but the server is not one, "
             f"or the URL's user may not run CLUSTER SLOTS ({text}); write the URL as "
-            "redis://host:port/db, or grant the user +cluster|slots +command."
+            f"redis://host:port/db, or grant the user on every node: {acl_rule(options)} "
+            "(docs: how-to/stores/redis.md#a-least-privilege-acl-user)."
         )
     if not cluster and (
         isinstance(exc, (rex.AskError, rex.ClusterCrossSlotError))
@@ -146,7 +144,7 @@ def translate(
             f"the Redis at exclusive_backend_url {url} does not offer a command the lease "
             f"store needs ({text}, while {action}); the store needs Redis >= 6.2 with Lua "
             "scripting, and these commands neither renamed nor disabled: "
-            f"{' '.join(ACL_COMMANDS)}."
+            f"{' '.join(acl_commands(options))}."
         )
     if isinstance(exc, (rex.ResponseError, rex.DataError)) and not any(
         upper.startswith(reply) or f" {reply} " in upper for reply in _TRANSIENT_REPLIES
@@ -156,16 +154,7 @@ def translate(
             "retrying will not help. Check exclusive_backend_url and the server's version "
             "(Redis >= 6.2)."
         )
-    return unavailable(exc, url, action)
-
-
-def unavailable(exc: BaseException, url: str, action: str) -> BackendUnavailable:
-    return BackendUnavailable(
-        f"the lease store at {url} did not answer while {action} "
-        f"({type(exc).__name__}: {exc}). Check that it is running and reachable, or "
-        "choose what tasks do meanwhile with exclusive_on_backend_error.",
-        url,
-    )
+    return unavailable(url, action, exc)
 
 
 def _tls_failure(exc: BaseException) -> bool:

@@ -23,15 +23,27 @@ entries are the only names whose first ``}`` is their last character.
 Escaping keeps the caller's prefix readable: every name for keys under the prefix
 ``exclusive:`` starts with ``{exclusive:``, which is the pattern an ACL grants
 (``~{exclusive:*``).
+
+What a lease holds (:func:`leases_of`): a limit-1 lease is a string, ``<len(owner)>:<owner>
+<token> <holder JSON>``; a semaphore a sorted set owner -> expiry (ms) beside its
+holders hash (see :mod:`.scripts`).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import re
-from typing import NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Protocol
 
+from ..base import LeaseInfo
 from ..line import LINE
+
+#: The name of every entry but the lease: its key's hash tag, then ``:`` and what the
+#: functions below add to it, or (beside a key of ``?recipe=set-nx``) ``~`` and more.
+ENTRY = re.compile(
+    r"\{[^}]*\}(?:~|:(?:fence|holders|waiting|events|signal)\Z|:(?:signal|mark|record):)"
+)
 
 _ESCAPES = {ord("%"): "%25", ord("}"): "%7D"}
 _UNESCAPE = re.compile("%(25|7D)")
@@ -59,6 +71,22 @@ class Entries(NamedTuple):
     line: str
     signal: str
     waiting: str
+
+
+class Names(Protocol):
+    """Where a layout keeps each entry of a lease key: this module for the store's own,
+    :class:`~.recipe.RecipeLayout` for ``?recipe=set-nx``. The connection's scripts run
+    on whichever a layout gives them."""
+
+    def lease(self, key: str) -> str: ...
+    def entries(self, key: str) -> Entries: ...
+    def holders(self, key: str) -> str: ...
+    def signal(self, key: str, claimant: Optional[str] = None) -> str: ...
+    def mark(self, key: str, kind: str) -> str: ...
+    def record(self, key: str, name: str) -> str: ...
+    def foreign_signal(self, key: str) -> Optional[str]: ...
+    def lease_pattern(self, prefix: str) -> str: ...
+    def key_of(self, name: str) -> Optional[str]: ...
 
 
 @functools.lru_cache(maxsize=4096)
@@ -97,6 +125,12 @@ def events(feed: str) -> str:
     return lease(feed) + ":events"
 
 
+def foreign_signal(key: str) -> None:
+    """Another client's wake-up list to push to on release: none, the names here being
+    the store's own."""
+    return None
+
+
 def lease_pattern(prefix: str) -> str:
     """A SCAN pattern matching the lease of every key that starts with ``prefix``
     (and a few other entries, which :func:`key_of` tells apart)."""
@@ -113,3 +147,57 @@ def key_of(name: str) -> Optional[str]:
 def glob_escape(text: str) -> str:
     """``text`` with Redis glob characters escaped, to match it literally."""
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+def parse_value(value: str) -> Optional[tuple[str, int, dict]]:
+    """Owner, token and holder record of a limit-1 lease value this store wrote
+    (``<len(owner)>:<owner> <token> <holder JSON>``); None for any other."""
+    length, colon, rest = value.partition(":")
+    if not colon or not length.isdigit() or rest[int(length) : int(length) + 1] != " ":
+        return None
+    owner, rest = rest[: int(length)], rest[int(length) + 1 :]
+    token, space, record = rest.partition(" ")
+    if not space or not token.isdigit():
+        return None
+    holder = _json(record)
+    return (owner, int(token), holder) if holder is not None else None
+
+
+def leases_of(
+    key: str,
+    kind: str,
+    now_ms: int,
+    held: list,
+    other: Callable[[str], tuple[str, Optional[int], dict]],
+) -> list[LeaseInfo]:
+    """The live leases of ``key`` as the DESCRIBE script finds them (its kind, the
+    store's now in ms, and what it holds: see :mod:`.scripts`), a semaphore's by token;
+    a limit-1 value the store did not write is shown as ``other(value)`` says:
+    ``(owner, token, holder)``."""
+    if kind == "string":
+        pttl, value = held
+        text = as_text(value)
+        owner, token, holder = parse_value(text) or other(text)
+        expires_in = None if pttl is None or pttl < 0 else pttl / 1000
+        return [LeaseInfo(key, owner, token, expires_in, holder)]
+    leases = []
+    for i in range(0, len(held), 3):  # a semaphore's holders: owner, expiry, detail
+        number, _, record = as_text(held[i + 2]).partition(" ")
+        expires_in = (float(held[i + 1]) - now_ms) / 1000
+        leases.append(
+            LeaseInfo(key, as_text(held[i]), int(number), expires_in, _json(record) or {})
+        )
+    return sorted(leases, key=lambda info: info.fencing_token or 0)
+
+
+def _json(text: str) -> Optional[dict]:
+    try:
+        value = json.loads(text or "{}")
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def as_text(value: Any) -> str:
+    """A reply from Redis as text (the client answers bytes)."""
+    return value.decode() if isinstance(value, bytes) else value

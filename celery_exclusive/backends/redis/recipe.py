@@ -36,33 +36,30 @@ token, and nothing fences its writes but what it does itself.
 
 Everything else of the key (fence, line, marks, records, wake-up lists) lives beside
 it in the store's own names (:class:`RecipeLayout`), in the key's hash slot on a
-Cluster. The recipe has one holder per key: ``exclusive_limit`` must be 1.
+Cluster, and the store's own scripts run on those names (:mod:`.connection`). The
+recipe has one holder per key (no ``limits``).
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-import json
-from collections.abc import Mapping
-from dataclasses import replace
+from collections.abc import Iterable, Mapping
 from typing import Any, Optional
 
 from redis.crc import key_slot
 
 from ...errors import ConfigurationError
-from ..base import Backend, Lease, LeaseInfo
-from . import checks, layout, scripts
-from .backend import RedisBackend
+from ..base import NO_END, Backend, Capabilities, End, Lease, LeaseInfo, MarkRead
+from . import checks, layout
+from .connection import RedisConnection
 
-#: The value of ``?recipe=`` this module speaks.
-RECIPE = "set-nx"
 #: Seconds between two looks at a key a foreign client holds (redis-py's ``Lock.sleep``).
 FOREIGN_POLL = 0.1
 #: python-redis-lock's names: the lock ``lock:<name>``, its waiters' ``lock-signal:<name>``.
 PRL_LOCK, PRL_SIGNAL = "lock:", "lock-signal:"
-#: Milliseconds a python-redis-lock wake-up lasts (its ``signal_expire`` default).
-PRL_SIGNAL_EXPIRE = 1000
+#: Who holds a key with a value this library did not write.
+FOREIGN = "a client of Redis's SET NX lock recipe (redis-py Lock, python-redis-lock, redsync...)"
 
 
 def hash_tag(name: str) -> Optional[str]:
@@ -106,18 +103,28 @@ def beside(key: str) -> str:
     return "{" + tag + "}~" + layout.escape(key)
 
 
+def internal(name: str) -> bool:
+    """Whether ``name`` is one of the store's own entries (:data:`.layout.ENTRY`: beside
+    a key, or of the store's own layout), which no lease key may take. Any other name,
+    hash tag or not, is a key of its own: ``{user42}:lock``, as Redis Cluster users name
+    a lock, keeps its entries beside it in its tag's slot."""
+    return layout.ENTRY.match(name) is not None
+
+
 class RecipeLayout:
-    """:mod:`.layout` for the recipe: the lease at the key's own name, the rest
-    beside it (see :func:`beside`). Same functions, so the store's scripts run as is."""
+    """The recipe's names (:class:`.layout.Names`): the lease at the key's own name, the
+    rest beside it (see :func:`beside`). ``cluster``: whether the store is a Redis
+    Cluster, where python-redis-lock's wake-up list is pushed to only if it shares the
+    key's hash slot."""
+
+    def __init__(self, cluster: bool = False) -> None:
+        self.cluster = cluster
 
     def lease(self, key: str) -> str:
         return key
 
     def entries(self, key: str) -> layout.Entries:
         return _entries(key)
-
-    def fence(self, key: str) -> str:
-        return beside(key) + ":fence"
 
     def holders(self, key: str) -> str:
         return beside(key) + ":holders"
@@ -126,14 +133,21 @@ class RecipeLayout:
         base = beside(key) + ":signal"
         return base if claimant is None else base + ":" + claimant
 
-    def waiting(self, key: str) -> str:
-        return beside(key) + ":waiting"
-
     def mark(self, key: str, kind: str) -> str:
         return beside(key) + ":mark:" + kind
 
     def record(self, key: str, name: str) -> str:
         return beside(key) + ":record:" + name
+
+    def foreign_signal(self, key: str) -> Optional[str]:
+        """python-redis-lock's wake-up list of ``key``, if ``key`` is named as its locks
+        are (and, on a cluster, the list shares its hash slot)."""
+        if not key.startswith(PRL_LOCK):
+            return None
+        signal = PRL_SIGNAL + key[len(PRL_LOCK) :]
+        if self.cluster and key_slot(signal.encode()) != key_slot(key.encode()):
+            return None
+        return signal
 
     def lease_pattern(self, prefix: str) -> str:
         return layout.glob_escape(prefix) + "*"
@@ -155,63 +169,17 @@ def _entries(key: str) -> layout.Entries:
     )
 
 
-def internal(name: str) -> bool:
-    """Whether ``name`` is in the store's own namespace (``{...}`` followed by more):
-    the entries beside keys, which no lease key may take."""
-    return name.startswith("{") and name.find("}") not in (-1, len(name) - 1)
-
-
-RELEASE = (
-    scripts._NOW
-    + scripts._HOLDS
-    + scripts._LINE
-    + scripts._WAKE
-    + scripts._RELEASE
-    + """
--- Free the owner's lease and wake whoever may take it: our waiters, and the waiters of
--- python-redis-lock blocked on its lock-signal list (KEYS[6], when the key has one), as
--- its UNLOCK_SCRIPT wakes them: DEL, LPUSH 1, PEXPIRE.
--- Returns 1 if the owner held the key, else 0 (and changes nothing).
-local lease_key, holders_key, line_key = KEYS[1], KEYS[2], KEYS[3]
-local signal_key, waiting_key, foreign_signal = KEYS[4], KEYS[5], KEYS[6]
-local owner, limit, signal_ttl, foreign_ttl = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
-
-local freed = release(lease_key, holders_key, line_key, signal_key, waiting_key,
-                      owner, limit, signal_ttl)
-if freed == 1 and foreign_signal then
-  redis.call('DEL', foreign_signal)
-  redis.call('LPUSH', foreign_signal, 1)
-  redis.call('PEXPIRE', foreign_signal, foreign_ttl)
-end
-return freed
-"""
-)
-
-FOREIGN = "a client of Redis's SET NX lock recipe (redis-py Lock, python-redis-lock, redsync...)"
-
-
-class SetNxBackend(RedisBackend, recipe=True):
+class SetNxBackend(Backend):
     """The Redis store speaking the ``SET NX PX`` recipe (see the module docstring)."""
 
-    #: One holder per key, as the recipe has; no final writes (the store's script
-    #: releases the store's way, and python-redis-lock's waiters would not be woken).
-    capabilities = replace(RedisBackend.capabilities, limits=False, final_writes=False)
-    database_for = Backend.database_for
-    release_and_write = Backend.release_and_write
+    recipe = "set-nx"
+    capabilities = Capabilities(records=True, marks=True, final_writes=True, event_log=True)
+    connection_class = RedisConnection
+    connection: RedisConnection
 
-    def __init__(self, url: str, client: Any = None) -> None:
-        super().__init__(url, client)
-        self.layout = RecipeLayout()
-
-    def _script(self, name: str):
-        if name == "release":
-            script = self._scripts.get("recipe release")
-            if script is None:
-                script = self._scripts["recipe release"] = self.client.register_script(RELEASE)
-            return script
-        return super()._script(name)
-
-    # --- leases -----------------------------------------------------------------------
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.names = RecipeLayout(self.connection.cluster)
 
     def try_acquire(
         self,
@@ -221,82 +189,33 @@ class SetNxBackend(RedisBackend, recipe=True):
         limit: int = 1,
         holder: Optional[Mapping[str, Any]] = None,
         claimant: Optional[str] = None,
+        read: Optional[MarkRead] = None,
     ) -> Optional[Lease]:
-        self._check(key, limit)
-        return super().try_acquire(key, owner, ttl, limit, holder, claimant)
-
-    def try_acquire_and_read_mark(
-        self,
-        key: str,
-        owner: str,
-        ttl: float,
-        limit: int,
-        holder: Optional[Mapping[str, Any]],
-        claimant: Optional[str],
-        mark: tuple[str, str],
-    ) -> tuple[Optional[Lease], Optional[str]]:
-        self._check(key, limit)
-        return super().try_acquire_and_read_mark(key, owner, ttl, limit, holder, claimant, mark)
-
-    def _check(self, key: str, limit: int) -> None:
-        if limit != 1:
-            raise ConfigurationError(
-                f"{self.safe_url} speaks Redis's SET NX lock recipe, which has one holder "
-                f"per key, but {key!r} was asked for with exclusive_limit={limit}: use a "
-                "store URL without ?recipe= for limits."
-            )
         if internal(key):
             raise ConfigurationError(
-                f"the lease key {key!r} names one of the store's own entries ({{...}} "
-                f"followed by more) in {self.safe_url}: with ?recipe={RECIPE} a key is a "
-                "Redis key of its own; change exclusive_key or exclusive_key_prefix."
+                f"the lease key {key!r} names one of the store's own entries (a hash tag, "
+                "then the name of an entry: ':fence', ':mark:<kind>', ...) in "
+                f"{self.safe_url}: with ?recipe={self.recipe} a key is a Redis key of its "
+                "own; change exclusive_key or exclusive_key_prefix (a hash tag followed by "
+                "anything else, such as '{user42}:lock', is a key like any other)."
             )
+        return self.connection.acquire(self.names, key, owner, ttl, limit, holder, claimant, read)
 
-    def release(self, lease: Lease) -> bool:
-        self._fresh_master(force=True)  # as the store's own release does
-        names = self.layout.entries(lease.key)
-        keys = [names.lease, names.holders, names.line, names.signal, names.waiting]
-        args = [lease.owner, lease.limit, max(1, int(max(lease.ttl, 1.0) * 1000))]
-        foreign_signal = self._foreign_signal(lease.key)
-        if foreign_signal is not None:
-            keys.append(foreign_signal)
-            args.append(PRL_SIGNAL_EXPIRE)
-        action = f"releasing {lease.key!r}"
-        resent: list[bool] = []
-        freed = bool(self._run("release", action, lease.key, keys, args, resent))
-        return self.freed_unless_resent(freed, resent)
+    def renew(self, leases: Iterable[Lease]) -> set[Lease]:
+        return self.connection.renew(self.names, leases)
 
-    def _foreign_signal(self, key: str) -> Optional[str]:
-        """python-redis-lock's wake-up list of ``key``, if ``key`` is named as its locks
-        are and the list shares its hash slot (off Cluster, always)."""
-        if not key.startswith(PRL_LOCK):
-            return None
-        signal = PRL_SIGNAL + key[len(PRL_LOCK) :]
-        if self.cluster and key_slot(signal.encode()) != key_slot(key.encode()):
-            return None
-        return signal
-
-    def swap_mark_and_release(
-        self,
-        lease: Lease,
-        mark: tuple[str, str],
-        expected: Optional[str],
-        new: str,
-        ttl: float,
-    ) -> Optional[bool]:
-        # The store's one-script version releases the store's way: python-redis-lock's
-        # waiters would not be woken. Two steps, the release through release().
-        return Backend.swap_mark_and_release(self, lease, mark, expected, new, ttl)
+    def release(self, lease: Lease, end: End = NO_END) -> Optional[bool]:
+        if end != NO_END and self.connection.cluster:
+            return super().release(lease, end)  # its mark may live in another hash slot
+        return self.connection.release(self.names, lease, end)
 
     def wait(self, key: str, timeout: float, claimant: Optional[str] = None) -> None:
         # A foreign holder's release wakes none of ours: look again soon.
         holder = self.holders_of(key)
         if holder and holder[0].fencing_token is None:
-            timeout = min(timeout, FOREIGN_POLL)
-            signals = [self.layout.signal(key)]
-            self._call(f"waiting on {key!r}", key, self.client.blpop, signals, timeout)
+            self.connection.block(key, [self.names.signal(key)], min(timeout, FOREIGN_POLL))
             return
-        super().wait(key, timeout, claimant)
+        self.connection.wait(self.names, key, timeout, claimant)
 
     def force_release(self, key: str) -> int:
         """Free every lease of ours on ``key``; a foreign holder stays (it is not ours to
@@ -304,64 +223,53 @@ class SetNxBackend(RedisBackend, recipe=True):
         freed = 0
         for info in self.holders_of(key):
             if info.fencing_token is not None:
-                freed += self.release(Lease(key, info.owner, info.fencing_token, 1.0))
+                freed += bool(self.release(Lease(key, info.owner, info.fencing_token, 1.0)))
         return freed
 
-    # --- what the CLI sees ------------------------------------------------------------
-
-    def holders_of(self, key: str) -> list[LeaseInfo]:
-        found = self._run("describe", f"reading {key!r}", key, [key, self.layout.holders(key)], [])
-        kind, pttl, value = _text(found[0]), found[2:3], found[3:4]
-        if kind != "string" or not value or value[0] is None:
-            return super().holders_of(key) if kind == "zset" else []
-        text, expires_in = _text(value[0]), _seconds(pttl[0])
-        ours = _parse(text)
-        if ours is not None:
-            owner, token, record = ours
-            return [LeaseInfo(key, owner, token, expires_in, record)]
-        shown = text if len(text) <= 80 else text[:77] + "..."
-        described = {"foreign": f"{FOREIGN} with the value {shown!r}"}
-        return [LeaseInfo(key, text, None, expires_in, described)]
+    # --- what the operators see ---------------------------------------------------------
 
     def holders(self, prefix: str = "") -> list[LeaseInfo]:
         # Only ours: under a prefix, any string is a key's value, and nothing tells a
         # foreign lock from other data. holders_of(key) names a foreign holder.
-        return [info for info in super().holders(prefix) if info.fencing_token is not None]
+        keys = self.connection.held_keys(self.names, prefix)
+        found = [info for key in keys for info in self.holders_of(key)]
+        return [info for info in found if info.fencing_token is not None]
+
+    def holders_of(self, key: str) -> list[LeaseInfo]:
+        return layout.leases_of(key, *self.connection.describe(self.names, key), other=_foreign)
+
+    # --- records and marks -----------------------------------------------------------
+
+    def read_record(self, lease_key: str, name: str) -> Optional[str]:
+        action = f"reading the record {name!r} of {lease_key!r}"
+        return self.connection.get(self.names.record(lease_key, name), action, lease_key)
+
+    def write_record(self, lease: Lease, name: str, value: str) -> bool:
+        return self.connection.write_record(self.names, lease, name, value)
+
+    def read_mark(self, key: str, kind: str) -> Optional[str]:
+        action = f"reading the {kind} mark of {key!r}"
+        return self.connection.get(self.names.mark(key, kind), action, key)
+
+    def swap_mark(
+        self, key: str, kind: str, expected: Optional[str], new: Optional[str], ttl: float
+    ) -> bool:
+        return self.connection.swap_mark(self.names, key, kind, expected, new, ttl)
+
+    # --- the store's clock, the start-up check ----------------------------------------
+
+    def store_time(self) -> float:
+        return self.connection.store_time()
 
     def check(self, probe_key: str) -> list[str]:
-        warnings = checks.server_warnings(self)
-        warnings += Backend.check(self, probe_key)
-        names = self.layout.entries(probe_key)
-        self._call(
-            "cleaning up the check",
-            probe_key,
-            self.client.delete,
-            *names,
-            self.layout.mark(probe_key, "check"),
-        )
+        warnings = checks.server_warnings(self.connection)
+        warnings += super().check(probe_key)
+        names = [*self.names.entries(probe_key), self.names.mark(probe_key, "check")]
+        self.connection.delete(probe_key, *names)
         return warnings
 
 
-def _parse(value: str) -> Optional[tuple[str, int, dict]]:
-    """Owner, token and holder record of a value this library wrote
-    (``<len(owner)>:<owner> <token> <holder JSON>``, see scripts.py); None for any other."""
-    length, colon, rest = value.partition(":")
-    if not colon or not length.isdigit() or rest[int(length) : int(length) + 1] != " ":
-        return None
-    owner, rest = rest[: int(length)], rest[int(length) + 1 :]
-    token, space, record = rest.partition(" ")
-    if not space or not token.isdigit():
-        return None
-    try:
-        holder = json.loads(record)
-    except ValueError:
-        return None
-    return (owner, int(token), holder) if isinstance(holder, dict) else None
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _seconds(pttl: Any) -> Optional[float]:
-    return None if pttl is None or pttl < 0 else pttl / 1000
+def _foreign(value: str) -> tuple[str, Optional[int], dict]:
+    """A value this library did not write: a foreign holder, named by its value."""
+    shown = value if len(value) <= 80 else value[:77] + "..."
+    return value, None, {"foreign": f"{FOREIGN} with the value {shown!r}"}

@@ -10,7 +10,7 @@ from redis.crc import key_slot
 from redis.exceptions import ResponseError
 
 from celery_exclusive.backends.redis import RedisBackend, layout
-from celery_exclusive.backends.redis.failures import translate
+from celery_exclusive.backends.redis.connection import RedisConnection
 from celery_exclusive.errors import BackendUnavailable, ConfigurationError
 from tests.support.apps import ledger as ledger_app
 from tests.support.cluster import Stack
@@ -124,5 +124,6 @@ def _served_by(node, key: str) -> bool:
 def test_a_script_that_finds_the_cluster_down_reports_the_store_unavailable(reply):
     """Redis's own replies (src/script.c) when a script runs on a node that lost its
     cluster's majority: an outage that ends, not a wrong setting."""
-    error = translate(ResponseError(reply), "redis+cluster://h:1", "acquiring 'k'", "k", True)
+    connection = RedisConnection("redis+cluster://h:1")
+    error = connection.translate(ResponseError(reply), "acquiring 'k'", "k")
     assert isinstance(error, BackendUnavailable)

@@ -33,7 +33,6 @@ from redis.exceptions import ResponseError
 
 from celery_exclusive.backends.base import Lease
 from celery_exclusive.backends.redis import RedisBackend, layout
-from celery_exclusive.backends.redis.failures import translate
 from celery_exclusive.errors import BackendUnavailable
 from tests.support.servers import RedisClusterServers
 
@@ -433,10 +432,10 @@ def test_a_script_refused_an_entry_of_its_moving_slot_reports_the_store_unavaila
     touch = "return redis.call('RPUSH', KEYS[1] .. ':elsewhere', 1)"
     moving = resharding.half_moved(slot_of(key), resharding.other_master(slot_of(key)))
     with moving, pytest.raises(ResponseError, match="non local key") as refused:
-        backend.client.eval(touch, 1, layout.lease(key))
-    error = translate(refused.value, servers.url, f"releasing {key!r}", key, cluster=True)
+        backend.connection.client.eval(touch, 1, layout.lease(key))
+    error = backend.connection.translate(refused.value, f"releasing {key!r}", key)
     assert isinstance(error, BackendUnavailable)
-    assert backend.client.eval(touch, 1, layout.lease(key)) == 1
+    assert backend.connection.client.eval(touch, 1, layout.lease(key)) == 1
 
 
 # --- a workload while slots move back and forth -----------------------------------------

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import uuid
 
-from celery_exclusive.backends import FinalWrite, backend_for_url
+from celery_exclusive.backends import End, FinalWrite, MarkSwap, backend_for_url
 from celery_exclusive.core.lease import acquire
 
 KEY = "exclusive:invoice:9"
@@ -37,11 +37,12 @@ def test_a_user_limited_to_its_key_patterns_stores_the_result_with_the_release(
     url = limited_user(redis_server, redis_url, ["{exclusive:*", "celery-task-meta-*"])
     backend = backend_for_url(url)
     lease = acquire(backend, KEY, 30, name="billing.settle", task_id="t-9")
-    mark = (("exclusive:invoice:9", "finished"), None, "0", 60.0)
-    assert lease.release_and_write(write_to("celery-task-meta-t-9"), mark) is True
+    mark = MarkSwap("exclusive:invoice:9", "finished", None, "0", 60.0)
+    assert lease.release(End(mark, write_to("celery-task-meta-t-9"))) is True
+    assert lease.written
     assert backend.holders_of(KEY) == []
     assert backend.read_mark("exclusive:invoice:9", "finished") == "0"
-    assert backend.client.get("celery-task-meta-t-9") == b'{"status": "SUCCESS"}'
+    assert backend.connection.client.get("celery-task-meta-t-9") == b'{"status": "SUCCESS"}'
 
 
 def test_a_refused_write_whose_lease_was_taken_meanwhile_is_a_lost_lease(redis_server, redis_url):
@@ -51,5 +52,6 @@ def test_a_refused_write_whose_lease_was_taken_meanwhile_is_a_lost_lease(redis_s
     backend = backend_for_url(limited_user(redis_server, redis_url, ["{exclusive:*"]))
     lease = acquire(backend, KEY, 30, name="billing.settle", task_id="t-9")
     backend_for_url(redis_url).force_release(KEY)  # an operator, while the body ran
-    assert lease.release_and_write(write_to("celery-task-meta-t-9")) is False
+    assert lease.release(End(write=write_to("celery-task-meta-t-9"))) is False
+    assert not lease.written
     assert lease.lost

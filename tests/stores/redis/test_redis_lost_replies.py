@@ -4,7 +4,7 @@ script finds the key held by the very owner asking (owners are unique per attemp
 it answers that grant again instead of refusing the caller its own lease. The store is
 reached through a proxy that forwards the request and drops the reply carrying the
 grant's token (closing the connection instead); another client looks directly. A
-release sent again the same way is a release, not a loss."""
+release sent again the same way is a release, not a loss; one with a write reads the write back."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 from celery import Celery
 
 from celery_exclusive import ExclusiveTask
-from celery_exclusive.backends import FinalWrite, _load
+from celery_exclusive.backends import End, FinalWrite, MarkRead, MarkSwap, _load
 from celery_exclusive.backends.line import LINE
 from celery_exclusive.core import policies
 from celery_exclusive.core.config import Settings
@@ -61,7 +61,7 @@ def direct(url):
 def _token_lost(proxy) -> int:
     """The fencing token of the grant whose reply the proxy dropped: the one that landed."""
     assert proxy.dropped == 1
-    reply = re.match(rb":(\d+)\r\n", proxy.lost[0])
+    reply = re.match(rb"(?:\*2\r\n)?:(\d+)\r\n", proxy.lost[0])  # a token, or a token and a mark
     assert reply is not None, proxy.lost
     return int(reply[1])
 
@@ -107,9 +107,10 @@ def test_an_acquire_and_mark_read_sent_again_gets_the_grant_and_the_mark(proxy, 
     assert direct.swap_mark("k", "done", None, "yes", 60)
     owner = uuid.uuid4().hex
     proxy.drop_reply_containing(TOKEN_REPLY)
-    lease, mark = lossy.try_acquire_and_read_mark("k", owner, 10, 1, None, None, ("k", "done"))
+    read = MarkRead("k", "done")
+    lease = lossy.try_acquire("k", owner, 10, read=read)
     assert lease is not None and lease.fencing_token == _token_lost(proxy)
-    assert mark == "yes"
+    assert (read.value, read.done) == ("yes", True)
     assert _held(direct, "k") == [(owner, lease.fencing_token)]
 
 
@@ -207,24 +208,41 @@ def test_an_end_mark_and_release_sent_again_after_its_reply_was_lost_is_a_releas
         pytest.skip("the store keeps no marks")
     lease = lossy.try_acquire("acked", uuid.uuid4().hex, 30)
     proxy.drop_reply_containing(b":1\r\n")
-    assert lossy.swap_mark_and_release(lease, ("acked", "finished"), None, "done", 30) is True
+    end = End(mark=MarkSwap("acked", "finished", None, "done", 30))
+    assert lossy.release(lease, end) is True
     assert proxy.dropped == 1
     assert _held(direct, "acked") == []
     assert direct.read_mark("acked", "finished") == "done"
 
 
-def test_a_release_with_a_write_sent_again_after_its_reply_was_lost_leaves_the_write_to_its_owner(
+def test_a_release_with_a_write_sent_again_after_its_reply_was_lost_reads_its_write_back(
     proxy, lossy, direct
 ):
     """The first send freed the lease and stored the result; the second finds nothing
-    to free. A release, and "not written by this call": the owner (Celery's result
-    backend) writes the result its own way, and finds it already stored."""
+    to free, and the result stored: a release, whose write was made."""
     if not lossy.capabilities.final_writes:
         pytest.skip("the store makes no writes with a release")
     lease = lossy.try_acquire("with-result", uuid.uuid4().hex, 30)
     write = FinalWrite(key="result:with-result", value='{"status": "SUCCESS"}', ttl=60)
     proxy.drop_reply_containing(b":1\r\n")
-    assert lossy.release_and_write(lease, write) == (True, False)
+    assert lossy.release(lease, End(write=write)) is True
     assert proxy.dropped == 1
     assert _held(direct, "with-result") == []
-    assert direct.client.get("result:with-result") == b'{"status": "SUCCESS"}'
+    assert direct.connection.client.get("result:with-result") == b'{"status": "SUCCESS"}'
+
+
+def test_a_release_with_a_write_sent_again_whose_lease_was_gone_is_not_a_release(
+    proxy, lossy, direct
+):
+    """The lease was freed by an operator meanwhile: the first send wrote nothing, the
+    second finds nothing to free and no result stored. Not a release, however often it
+    was sent, and nothing written."""
+    if not lossy.capabilities.final_writes:
+        pytest.skip("the store makes no writes with a release")
+    lease = lossy.try_acquire("with-result", uuid.uuid4().hex, 30)
+    direct.force_release("with-result")
+    write = FinalWrite(key="result:with-result", value='{"status": "SUCCESS"}', ttl=60)
+    proxy.drop_reply_containing(b":0\r\n")
+    assert lossy.release(lease, End(write=write)) is False
+    assert proxy.dropped == 1
+    assert direct.connection.client.get("result:with-result") is None

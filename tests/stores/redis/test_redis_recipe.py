@@ -2,12 +2,12 @@
 
 Real Redis, real redis-py ``Lock`` and python-redis-lock in this process; a task call
 is what ``ExclusiveTask`` makes of one (:func:`policies.claim`). Real workers:
-test_redis_recipe_workers.py.
+test_redis_recipe_workers.py; the store's contract: the ``redis-set-nx`` case of
+tests/contract.
 """
 
 from __future__ import annotations
 
-import inspect
 import threading
 import time
 import uuid
@@ -27,13 +27,12 @@ from celery_exclusive import (
 )
 from celery_exclusive.backends import _load
 from celery_exclusive.backends.base import Lease
-from celery_exclusive.backends.redis import recipe
+from celery_exclusive.backends.redis import layout, recipe
 from celery_exclusive.backends.redis.recipe import RecipeLayout, SetNxBackend, beside
 from celery_exclusive.core import outcomes, policies
 from celery_exclusive.core.config import Settings
 from celery_exclusive.core.heartbeat import heartbeat
-from tests.conftest import BackendCase
-from tests.contract import test_backend_contract as contract
+from celery_exclusive.core.lease import acquire
 
 KEY = "exclusive:invoice:7"
 
@@ -64,22 +63,6 @@ def store(recipe_url):
 def task_call(url: str, task_id: str, policy: str = "skip"):
     settings = Settings(backend_url=url, lease_ttl=10.0, on_duplicate=policy)
     return policies.claim(settings, backend_for_url(url), KEY, "billing.settle", task_id)
-
-
-# --- the store's contract, but for limits: the recipe has one holder per key ------------
-
-
-@pytest.fixture
-def backend_case(redis_url):
-    return BackendCase(redis_url + "?recipe=set-nx")
-
-
-backend = store
-marks = contract.marks
-for _name, _test in vars(contract).items():
-    if _name.startswith("test_") and "limit" not in inspect.getsource(_test):
-        globals()[f"{_name}_under_the_recipe"] = _test
-del _name, _test
 
 
 # --- a foreign holder -------------------------------------------------------------------
@@ -232,22 +215,58 @@ def test_our_waiter_never_takes_a_wake_up_meant_for_python_redis_lock_waiters(
 
 
 def test_a_limit_is_refused_naming_the_key_and_the_fix(store):
-    with pytest.raises(ConfigurationError, match="one holder per key.*exclusive_limit=2"):
-        store.try_acquire(KEY, owner(), 10, limit=2)
+    with pytest.raises(
+        ConfigurationError, match="does not offer limits.*invoice:7.*exclusive_limit"
+    ):
+        acquire(store, KEY, 10, limit=2, name="billing.settle")
 
 
-def test_a_key_naming_an_entry_of_the_store_is_refused(store):
-    with pytest.raises(ConfigurationError, match="names one of the store's own entries"):
-        store.try_acquire("{exclusive:invoice:7}:fence", owner(), 10)
+@pytest.mark.parametrize(
+    "key",
+    [
+        "{exclusive:invoice:7}:fence",
+        "{invoice:7}:mark:line",
+        "{invoice:7}:signal:task-1",
+        "{invoice:7}:record:last",
+        "{user42}~{user42%7D:lock:fence",
+    ],
+)
+def test_a_key_naming_an_entry_of_the_store_is_refused_naming_the_fix(store, key):
+    refused = "names one of the store's own entries.*change exclusive_key"
+    with pytest.raises(ConfigurationError, match=refused):
+        store.try_acquire(key, owner(), 10)
+
+
+@pytest.mark.parametrize("key", ["{user42}:lock", "{user42}:fencing", "{user42}lock", "{a}:b:c"])
+def test_a_key_with_a_hash_tag_and_more_is_a_key_of_its_own(store, client, key):
+    lease = store.try_acquire(key, owner(), 10)
+    assert lease is not None
+    assert [info.key for info in store.holders(key)] == [key]
+    assert client.get(key).startswith(f"{len(lease.owner)}:{lease.owner} ".encode())
+    assert store.release(lease) is True
+
+
+def test_every_entry_of_either_layout_is_refused_as_a_key():
+    """What no key may take: each name the store gives a key's entries, in its own
+    layout and beside a key of the recipe's, for plain and hash-tagged keys."""
+    for key in ("invoice:7", "{user42}:lock", "a}b", "50%"):
+        entries = [layout.fence(key), layout.holders(key), layout.waiting(key)]
+        entries += [layout.signal(key), layout.signal(key, "t-1"), layout.mark(key, "line")]
+        entries += [layout.record(key, "last"), layout.events(key)]
+        beside_it = RecipeLayout()
+        entries += [*beside_it.entries(key)[1:], beside_it.signal(key, "t-1")]
+        entries += [beside_it.mark(key, "done"), beside_it.record(key, "last")]
+        assert [name for name in entries if not recipe.internal(name)] == []
 
 
 def test_an_unknown_recipe_is_refused_naming_the_ones_there_are(redis_url):
-    with pytest.raises(ConfigurationError, match="recipe= takes set-nx"):
+    with pytest.raises(ConfigurationError, match="recipe='redlock'.*its recipes: set-nx"):
         _load(redis_url + "?recipe=redlock")
 
 
 @pytest.mark.parametrize(
-    "key", ["plain:key", "lock:{invoice}:7", "{tagged}", "a}b", "{}x", "50%", "k{x"]
+    "key",
+    ["plain:key", "lock:{invoice}:7", "{tagged}", "{user42}:lock", "a}b", "{}x", "50%", "k{x"],
 )
 def test_every_entry_beside_a_key_shares_its_hash_slot_and_no_other_key_s(key):
     names = [*RecipeLayout().entries(key), RecipeLayout().record(key, "r")]
@@ -284,6 +303,31 @@ def test_the_recipe_on_a_cluster_keeps_every_key_s_entries_on_its_node(redis_clu
         theirs.release()
     finally:
         store.close()
+        cluster.close()
+
+
+def test_a_hash_tagged_key_on_a_cluster_and_a_redis_py_lock_exclude_each_other(
+    redis_cluster_url,
+):
+    """``{user42}:lock``, as Cluster users name a lock: the recipe takes that very key
+    and keeps its own entries beside it, in its slot (a script spanning slots would be
+    refused with CROSSSLOT)."""
+    url, key = redis_cluster_url + "?recipe=set-nx", "{user42}:lock"
+    host, port = redis_cluster_url.split("//")[1].split(",")[0].split(":")
+    cluster = redis.RedisCluster(host=host, port=int(port))
+    try:
+        with ExclusiveLock(key, url) as lease:
+            assert cluster.lock(key, timeout=5).acquire(blocking=False) is False
+            assert cluster.get(key).startswith(f"{len(lease.grant.owner)}:".encode())
+        theirs = cluster.lock(key, timeout=10)
+        assert theirs.acquire(blocking=False)
+        refused = pytest.raises(LockHeld, match="not taken by celery-exclusive")
+        with refused, ExclusiveLock(key, url):
+            pytest.fail("the block ran beside the redis-py Lock")
+        theirs.release()
+        with ExclusiveLock(key, url, wait=5):
+            assert cluster.lock(key, timeout=5).acquire(blocking=False) is False
+    finally:
         cluster.close()
 
 

@@ -5,6 +5,7 @@ outage that requeues forever)."""
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 import ssl
 import threading
@@ -12,6 +13,7 @@ import uuid
 
 import pytest
 
+from celery_exclusive.backends import MarkRead
 from celery_exclusive.backends.redis import RedisBackend
 from celery_exclusive.backends.redis.checks import speaks_tls
 from celery_exclusive.backends.redis.failures import ACL_COMMANDS
@@ -24,7 +26,7 @@ from tests.support.workers import read_ledger
 
 PASSWORD = "leases-secret"
 #: What the store needs on a database 0 without min_replicas (docs/how-to/stores/redis.md).
-NEEDED = [c for c in ACL_COMMANDS if c not in ("select", "wait")]
+NEEDED = ACL_COMMANDS
 
 
 def owner() -> str:
@@ -217,6 +219,40 @@ def test_a_worker_refuses_to_start_with_a_plain_text_url_to_a_tls_port(
     assert "ConfigurationError" in output and "speaks TLS" in output and "rediss://" in output
 
 
+@pytest.mark.parametrize("granted", [[], ["cluster|slots"]], ids=["plain-rule", "no-command"])
+def test_a_cluster_user_given_the_rule_its_error_names_starts_its_worker(
+    redis_server, client_dbs, redis_cluster, redis_cluster_url, tmp_path_factory, granted
+):
+    """On a real Redis Cluster, a user granted the rule for a plain Redis (and, at most,
+    CLUSTER SLOTS): its worker refuses to start, naming a rule; granted that rule on
+    every node, the worker starts and runs a task."""
+    user = f"cluster-{uuid.uuid4().hex[:8]}"
+
+    def grant(commands: list[str]) -> None:
+        for node in redis_cluster.nodes:
+            node.client().execute_command(
+                "ACL", "SETUSER", user, "reset", "on", f">{PASSWORD}", "~{exclusive:*",
+                *(f"+{command}" for command in commands),
+            )  # fmt: skip
+
+    grant(NEEDED + granted)
+    url = redis_cluster_url.replace("redis+cluster://", f"redis+cluster://{user}:{PASSWORD}@")
+    stack = Stack(redis_server, *client_dbs, url, tmp_path_factory)
+    try:
+        output = refused_start(stack, "cluster-acl")
+        rule = re.search(r"ACL SETUSER <user> ~\{<key_prefix>\* ((?:\+\S+ )*\+\S+)", output)
+        assert "ConfigurationError" in output and rule, output
+        grant([word[1:] for word in rule[1].split()])
+        stack.reset()
+        with stack.running(stack.worker("cluster-acl", concurrency=1)):
+            entry = ledger_app.hold_skip.delay("cluster-acl", 0).get(timeout=30)
+        assert entry["token"] and entry["held"]
+        assert [entry["key"] for entry in read_ledger(stack.ledger)] == ["cluster-acl"]
+    finally:
+        for node in redis_cluster.nodes:
+            node.client().execute_command("ACL", "DELUSER", user)
+
+
 def test_a_permission_revoked_at_run_time_fails_the_task_instead_of_requeueing_it(
     acl_server, redis_server, client_dbs, tmp_path_factory
 ):
@@ -251,8 +287,8 @@ def test_a_grant_whose_finished_mark_may_not_be_read_is_given_back(acl_server):
         *(f"+{command}" for command in NEEDED),
     )  # fmt: skip
     backend = RedisBackend(f"redis://{user}:{PASSWORD}@127.0.0.1:{acl_server.port}/0")
-    mark = (finished_key("exclusive:k", "task-1"), DONE)
+    read = MarkRead(finished_key("exclusive:k", "task-1"), DONE)
     with pytest.raises(ConfigurationError, match="ACL SETUSER"):
-        backend.try_acquire_and_read_mark("exclusive:k", owner(), 30, 1, None, None, mark)
+        backend.try_acquire("exclusive:k", owner(), 30, read=read)
     assert backend.holders_of("exclusive:k") == []
     backend.close()

@@ -14,7 +14,7 @@ import uuid
 import pytest
 
 from celery_exclusive.backends.redis import RedisBackend
-from celery_exclusive.backends.redis.backend import MASTER_CHECK_INTERVAL
+from celery_exclusive.backends.redis.connection import MASTER_CHECK_INTERVAL
 from celery_exclusive.errors import BackendUnavailable, ConfigurationError, LeaseLost
 from tests.support.apps import ledger as ledger_app
 from tests.support.cluster import Stack

@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 from celery_exclusive.backends.redis import RedisBackend, layout
-from celery_exclusive.backends.redis.backend import RENEW_CHUNK
+from celery_exclusive.backends.redis.connection import RENEW_CHUNK
 from celery_exclusive.backends.redis.scripts import FENCE_TTL_MS
 from tests.support.redis_sends import sent_by_this_thread
 
@@ -54,7 +54,7 @@ def test_renewal_reports_exactly_the_lost_leases_of_every_script(backend):
         backend.force_release(lease.key)
     assert backend.renew(leases) == gone
     held = [lease for lease in leases if lease not in gone]
-    assert all(backend.client.pttl(layout.lease(lease.key)) > 29_000 for lease in held)
+    assert all(backend.connection.client.pttl(layout.lease(lease.key)) > 29_000 for lease in held)
 
 
 def test_a_burst_of_distinct_keys_leaves_its_fences_for_minutes_not_a_day(backend):
@@ -62,7 +62,7 @@ def test_a_burst_of_distinct_keys_leaves_its_fences_for_minutes_not_a_day(backen
     a burst of 1,000 keys used once must not leave 1,000 entries for a day."""
     for i in range(1000):
         backend.release(backend.try_acquire(f"burst:{i}", owner(), 30))
-    client = backend.client
+    client = backend.connection.client
     left = list(client.scan_iter(match="*", count=1000))
     assert len(left) == 1000  # one fence per key: the lease itself is gone
     assert all(name.endswith(b":fence") for name in left)
@@ -76,6 +76,6 @@ def test_a_grant_after_its_fence_expired_still_gets_a_higher_token(backend):
     the last token was the clock when it was granted."""
     first = backend.try_acquire("forgotten", owner(), 30)
     backend.release(first)
-    backend.client.delete(layout.fence("forgotten"))  # what its expiry does
+    backend.connection.client.delete(layout.fence("forgotten"))  # what its expiry does
     second = backend.try_acquire("forgotten", owner(), 30)
     assert second.fencing_token > first.fencing_token
