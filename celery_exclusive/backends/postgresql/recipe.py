@@ -4,52 +4,26 @@ the key that any SQL can compute.
 PostgreSQL's own lock for application code is the advisory lock
 (src/backend/utils/adt/lockfuncs.c): ``pg_advisory_lock(bigint)`` waits for it,
 ``pg_try_advisory_lock(bigint)`` takes it or answers false, ``pg_advisory_unlock(bigint)``
-gives it back. A session-level lock is held until its session unlocks it or ends,
-whatever its transactions do (a rollback keeps it). It locks a number in the current
-database; code that locks a name locks a hash of it. Ours, :func:`lock_id`, is the
-common one: the first 8 bytes of the MD5 of the key's UTF-8, big-endian, signed::
+gives it back; a session-level lock is held until its session unlocks it or ends,
+whatever its transactions do. A lease on ``K`` is the session lock on :func:`lock_id`
+(``K``), the common hash: ``('x' || left(md5(K), 16))::bit(64)::bigint`` in SQL.
 
-    ('x' || left(md5(key), 16))::bit(64)::bigint        -- key: text in a UTF8 database
+- **The session is the lease, and the server's clock ends it**: one database session
+  per lease (pooled once released), whose ``idle_session_timeout`` is the lease's ttl.
+  A holder that dies frees the lock with its socket; one that hangs, ``ttl`` after its
+  last renewal, a statement on that very session. A session is never made again: lost,
+  it took the lock with it, and the next renewal reports the lease lost.
+- **Who holds it**: each grant also writes a row in ``exclusive_leases`` (owner, token
+  from ``exclusive_fences``, holder record, and the session under ``"pg_backend"``), which
+  counts only while its session holds the lock. A session holding the lock that no row
+  names is a foreign holder, named, and never unlocked or terminated: ``force_release``
+  ends only sessions a row of ours names.
+- The store's own per-key transaction lock stays another hash of the key (the first 8
+  bytes of its SHA-256), so a recipe holder never blocks the store's transactions, and
+  workers with and without ``?recipe=`` on one schema see each other's leases.
 
-With ``postgresql://...?recipe=advisory``, a lease on ``K`` is the session lock on
-``lock_id(K)``: a task with the key ``exclusive:invoice:7`` and
-``SELECT pg_try_advisory_lock(('x' || left(md5('exclusive:invoice:7'), 16))::bit(64)::bigint)``
-exclude each other. So:
-
-- **Our holder** is one database session per lease, opened for it (and kept for the
-  next lease once released): ``pg_advisory_lock`` elsewhere waits for it,
-  ``pg_try_advisory_lock`` answers false, exactly as against another session. Its
-  release is ``pg_advisory_unlock``.
-- **The session is the lease, and the server's clock ends it.** A grant sets
-  ``idle_session_timeout`` to the lease's ttl on that session: the server ends a session
-  that has sent nothing for that long, and the lock with it. A worker that dies frees
-  the lock at once (its socket closes); one that hangs or loses the network frees it
-  ``ttl`` after its last renewal, by the server's clock. A **renewal** is a statement on
-  that very session: it restarts the server's idle clock, and its answer proves the
-  session, and so the lock, alive. A session is never made again: when it is lost
-  (a server restart or failover, ``pg_terminate_backend``, a broken link) the lock went
-  with it, and the next renewal reports the lease lost.
-- **A foreign holder** (a session holding the lock with no row of ours naming it) makes
-  our duplicates skip, wait or requeue, and is named: its backend pid, user, application
-  and client address. Our waiters look every :data:`FOREIGN_POLL` seconds while it
-  holds (its unlock notifies nobody); our own releases wake them by ``NOTIFY``.
-- **Never touched**: a foreign session is never unlocked or terminated. ``force_release``
-  ends only sessions that a row of ours names as holding the key.
-
-Our fencing token stays ours: each grant raises the key's counter in
-``exclusive_fences`` as the store always does. A grant also writes a row in
-``exclusive_leases`` (owner, token, holder record, and the backend pid of its session
-under ``"pg_backend"``), which says who holds the key; a row counts only while its
-session holds the lock. Marks, lines and records stay in the store's tables.
-
-The store's own per-key transaction lock stays what it is without the recipe
-(``pg_advisory_xact_lock`` on the first 8 bytes of the key's SHA-256, another hash):
-a recipe holder never blocks the store's transactions, and workers with and without
-``?recipe=`` on one schema serialize on it and see each other's leases.
-
-Refused, with a named error: ``pgbouncer=1`` (transaction pooling cannot keep a session
-for a lease), ``exclusive_limit`` above 1 (a lock has one holder), PostgreSQL before 14
-(no ``idle_session_timeout``).
+Refused, by name: ``pgbouncer=1`` (transaction pooling cannot keep a session for a
+lease), a limit above 1, PostgreSQL before 14 (no ``idle_session_timeout``).
 """
 
 from __future__ import annotations
@@ -57,31 +31,19 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import threading
-import time
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import psycopg
 
 from ...errors import ConfigurationError
-from ..base import Backend, HoldersPage, Lease, LeaseInfo
+from ..base import NO_END, Backend, Capabilities, End, Lease, LeaseInfo, MarkRead
 from ..line import LINE, admit, first_in_line
-from .backend import (
-    _NOW,
-    MAX_SILENCE,
-    POLL_MAX,
-    POLL_MIN,
-    PostgreSQLBackend,
-    _bytes,
-    _inherited,
-    _key_id,
-    _lock_id,
-    _text,
-)
-from .errors import translate
+from .connection import NOW, PostgreSQLConnection, decoded, encoded, inherited, key_id, key_lock
 
 #: The value of ``?recipe=`` this module speaks.
 RECIPE = "advisory"
@@ -99,36 +61,44 @@ FOREIGN = "a PostgreSQL session advisory lock"
 def lock_id(key: str) -> int:
     """The advisory lock number of ``key``: the first 8 bytes of the MD5 of its UTF-8,
     big-endian, signed (what ``('x' || left(md5(key), 16))::bit(64)::bigint`` gives)."""
-    digest = hashlib.md5(_bytes(key), usedforsecurity=False).digest()
+    digest = hashlib.md5(encoded(key), usedforsecurity=False).digest()
     return int.from_bytes(digest[:8], "big", signed=True)
 
 
-#: The same number in SQL, of a key held as bytes (the store keeps keys as ``bytea``).
-_LOCK_ID_SQL = "('x' || left(md5({key}), 16))::bit(64)::bigint"
-
-# pg_locks shows a bigint advisory lock as classid (high 32 bits), objid (low 32 bits)
-# and objsubid 1 in the current database (lockfuncs.c, SET_LOCKTAG_INT64).
+# The sessions holding the advisory lock {lock}. pg_locks shows a bigint advisory lock as
+# classid (high 32 bits), objid (low 32 bits) and objsubid 1 in the current database
+# (lockfuncs.c, SET_LOCKTAG_INT64).
 _LOCKS = """
 SELECT l.pid FROM pg_locks l
 WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted
   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
   AND ((l.classid::bigint << 32) | l.objid::bigint) = {lock}
 """
-# A row of ours is a live lease if it names a session that holds the key's lock, or, for
-# a lease of the store without the recipe (no "pg_backend"), while it has not expired.
-_SESSION_PID = "(r.holder::jsonb #>> '{{pg_backend,pid}}')::int"
+# The session a row ``r`` of ours names, if it is the recipe's.
+_SESSION_PID = "(r.holder::jsonb #>> '{pg_backend,pid}')::int"
+# A row ``r`` of ours is a live lease if it names a session that holds the key's lock (the
+# same number in SQL, of the key held as bytes), or, for a lease of the store's own
+# layout (no "pg_backend"), while it has not expired.
 _HELD = f"""
 (CASE WHEN r.holder::jsonb -> 'pg_backend' IS NULL THEN r.expires_at > clock_timestamp()
-      ELSE {_SESSION_PID} IN ({_LOCKS.format(lock=_LOCK_ID_SQL.format(key="r.key"))}) END)
+      ELSE {_SESSION_PID} IN ({_LOCKS.format(lock="('x' || left(md5(r.key), 16))::bit(64)::bigint")}
+      ) END)
 """
+# What the statements below name, besides the tables.
+_NAMES = {
+    "now": NOW,
+    "session_pid": _SESSION_PID,
+    "held": _HELD,
+    "locks": _LOCKS.format(lock="%(lock)s"),
+}
 
 # After the key's transaction lock: now, whether a lease of the store's own layout holds
 # it, and its line.
-_STATE = f"""
-SELECT {_NOW},
-       EXISTS (SELECT FROM {{leases}} WHERE key_id = %(id)s AND expires_at > clock_timestamp()
+_STATE = """
+SELECT {now},
+       EXISTS (SELECT FROM {leases} WHERE key_id = %(id)s AND expires_at > clock_timestamp()
                AND holder::jsonb -> 'pg_backend' IS NULL),
-       (SELECT value FROM {{marks}} WHERE key_id = %(id)s AND kind = %(line)s
+       (SELECT value FROM {marks} WHERE key_id = %(id)s AND kind = %(line)s
         AND expires_at > clock_timestamp())
 """
 
@@ -175,23 +145,23 @@ SELECT pg_advisory_unlock(%(lock)s), set_config('idle_session_timeout', '0', fal
 # From any session: end the session a row of ours names, if it still holds the key's
 # lock (its holder died, or an operator frees the key), and delete the row. One row per
 # lease freed.
-_TERMINATE = f"""
+_TERMINATE = """
 WITH mine AS (
-    DELETE FROM {{leases}} r WHERE key_id = %(id)s AND owner = %(owner)s
-    RETURNING r.key, r.holder, r.expires_at, {_SESSION_PID} AS pid
+    DELETE FROM {leases} r WHERE key_id = %(id)s AND owner = %(owner)s
+    RETURNING r.key, r.holder, r.expires_at, {session_pid} AS pid
 )
 SELECT CASE WHEN r.pid IS NULL THEN r.expires_at > clock_timestamp()
             ELSE pg_terminate_backend(r.pid, %(wait)s) END,
        pg_notify(%(channel)s, %(payload)s)
 FROM mine r
-WHERE r.pid IS NULL OR r.pid IN ({_LOCKS.format(lock="%(lock)s")})
+WHERE r.pid IS NULL OR r.pid IN ({locks})
 """
 
 # Who holds the key: every session holding its lock (with what pg_stat_activity shows of
 # it), and the key's rows.
-_LOCK_HOLDERS = f"""
+_LOCK_HOLDERS = """
 SELECT l.pid, a.usename, a.application_name, a.client_addr::text
-FROM ({_LOCKS.format(lock="%(lock)s")}) l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+FROM ({locks}) l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
 """
 _ROWS = """
 SELECT r.owner, r.fencing_token, extract(epoch FROM r.expires_at - clock_timestamp())::float8,
@@ -200,30 +170,22 @@ FROM {leases} r WHERE r.key_id = %(id)s
 ORDER BY r.fencing_token
 """
 
-_HOLDERS = f"""
+_HOLDERS = """
 SELECT r.key, r.owner, r.fencing_token,
        extract(epoch FROM r.expires_at - clock_timestamp())::float8, r.holder
-FROM {{leases}} r
-WHERE substring(r.key FROM 1 FOR %(length)s) = %(prefix)s AND {_HELD}
+FROM {leases} r
+WHERE substring(r.key FROM 1 FOR %(length)s) = %(prefix)s AND {held}
 ORDER BY r.key, r.fencing_token
-"""
-
-_WRITE_RECORD = f"""
-INSERT INTO {{records}} (key_id, name, value)
-SELECT %(id)s, %(name)s, %(value)s
-WHERE EXISTS (SELECT FROM {{leases}} r WHERE r.key_id = %(id)s AND r.owner = %(owner)s
-              AND {_HELD})
-ON CONFLICT (key_id, name) DO UPDATE SET value = excluded.value
 """
 
 # wait(): now, the pid of the session holding the lock, the sessions our rows name,
 # whether a lease of the store's own layout holds the key, and the line.
-_FREE_FOR = f"""
-SELECT {_NOW}, ({_LOCKS.format(lock="%(lock)s")} LIMIT 1),
-       ARRAY(SELECT {_SESSION_PID} FROM {{leases}} r WHERE r.key_id = %(id)s),
-       EXISTS (SELECT FROM {{leases}} WHERE key_id = %(id)s AND expires_at > clock_timestamp()
+_FREE_FOR = """
+SELECT {now}, ({locks} LIMIT 1),
+       ARRAY(SELECT {session_pid} FROM {leases} r WHERE r.key_id = %(id)s),
+       EXISTS (SELECT FROM {leases} WHERE key_id = %(id)s AND expires_at > clock_timestamp()
                AND holder::jsonb -> 'pg_backend' IS NULL),
-       (SELECT value FROM {{marks}} WHERE key_id = %(id)s AND kind = %(line)s
+       (SELECT value FROM {marks} WHERE key_id = %(id)s AND kind = %(line)s
         AND expires_at > clock_timestamp())
 """
 
@@ -242,29 +204,30 @@ class _Session:
             self.conn.close()
 
 
-class AdvisoryBackend(PostgreSQLBackend, recipe=True):
+class AdvisoryBackend(Backend):
     """The PostgreSQL store speaking session advisory locks (see the module docstring)."""
 
+    recipe = RECIPE
     #: One holder per key, as the recipe has.
-    capabilities = replace(PostgreSQLBackend.capabilities, limits=False)
+    capabilities = Capabilities(records=True, marks=True)
+    connection_class = PostgreSQLConnection
+    connection: PostgreSQLConnection
 
     def __init__(self, url: str) -> None:
         super().__init__(url)
-        self._sql.update(
+        self._sql = self.connection.statements(
             {
-                name: text.format(**self.tables)
-                for name, text in {
-                    "recipe state": _STATE,
-                    "recipe grant": _GRANT,
-                    "recipe renew": _RENEW,
-                    "recipe unlock": _UNLOCK,
-                    "recipe terminate": _TERMINATE,
-                    "recipe rows": _ROWS,
-                    "recipe holders": _HOLDERS,
-                    "recipe free for": _FREE_FOR,
-                    "write_record": _WRITE_RECORD,
-                }.items()
-            }
+                "state": _STATE,
+                "grant": _GRANT,
+                "renew": _RENEW,
+                "unlock": _UNLOCK,
+                "terminate": _TERMINATE,
+                "lock holders": _LOCK_HOLDERS,
+                "rows": _ROWS,
+                "holders": _HOLDERS,
+                "free for": _FREE_FOR,
+            },
+            **_NAMES,
         )
         self._sessions_lock = threading.Lock()
         self._sessions_pid = os.getpid()
@@ -279,7 +242,7 @@ class AdvisoryBackend(PostgreSQLBackend, recipe=True):
         """In a forked child: the parent's sessions are the parent's. Never use or close
         them (closing ends the parent's sessions and frees its locks)."""
         if self._sessions_pid != os.getpid():
-            _inherited.extend(s.conn for s in [*self._held.values(), *self._idle])
+            inherited.extend(s.conn for s in [*self._held.values(), *self._idle])
             self._held, self._idle, self._sessions_pid = {}, [], os.getpid()
 
     def _take_session(self) -> tuple[_Session, bool]:
@@ -291,12 +254,14 @@ class AdvisoryBackend(PostgreSQLBackend, recipe=True):
         return self._open_session(), False
 
     def _open_session(self) -> _Session:
-        self._run("preparing the tables", lambda conn: None, txn=False)  # creates them
+        self.connection.call("preparing the tables", lambda conn: None, txn=False)  # makes them
         action = "opening a session for a lease"
         try:
-            conn = psycopg.connect(self.settings.conninfo, autocommit=True, prepare_threshold=None)
+            conn = psycopg.connect(
+                self.connection.settings.conninfo, autocommit=True, prepare_threshold=None
+            )
         except (psycopg.Error, OSError) as exc:
-            raise translate(exc, action, self) from None
+            raise self.connection.translate(exc, action) from None
         try:
             if conn.info.server_version < MIN_SERVER_VERSION:
                 raise ConfigurationError(
@@ -312,7 +277,7 @@ class AdvisoryBackend(PostgreSQLBackend, recipe=True):
             ).fetchone()
         except (psycopg.Error, OSError) as exc:
             conn.close()
-            raise translate(exc, action, self) from None
+            raise self.connection.translate(exc, action) from None
         except BaseException:
             conn.close()
             raise
@@ -350,18 +315,12 @@ class AdvisoryBackend(PostgreSQLBackend, recipe=True):
         limit: int = 1,
         holder: Optional[Mapping[str, Any]] = None,
         claimant: Optional[str] = None,
+        read: Optional[MarkRead] = None,
     ) -> Optional[Lease]:
-        if limit != 1:
-            raise ConfigurationError(
-                f"{self.safe_url} speaks PostgreSQL's session advisory locks "
-                f"(?recipe={RECIPE}), which have one holder per key, but {key!r} was asked "
-                f"for with exclusive_limit={limit}: use a store URL without ?recipe= for "
-                "limits."
-            )
         for attempt in (1, 2):
             session, pooled = self._take_session()
             try:
-                token = self._grant(session, key, owner, ttl, holder, claimant)
+                token, value = self._grant(session, key, owner, ttl, holder, claimant, read)
             except (psycopg.Error, OSError) as exc:
                 # Whatever the statement did, the session may hold the lock now (a
                 # rollback keeps a session lock): end it, and the lock goes with it.
@@ -372,10 +331,12 @@ class AdvisoryBackend(PostgreSQLBackend, recipe=True):
                     # whose lock, if taken, is held by a dying session): try a new one. The
                     # lock itself never grants twice.
                     continue
-                raise translate(exc, f"acquiring {key!r}", self) from None
+                raise self.connection.translate(exc, f"acquiring {key!r}") from None
             except BaseException:
                 session.close()
                 raise
+            if read is not None:
+                read.value, read.done = value, True
             if token is None:
                 self._keep(session)
                 return None
@@ -392,16 +353,20 @@ class AdvisoryBackend(PostgreSQLBackend, recipe=True):
         ttl: float,
         holder: Optional[Mapping[str, Any]],
         claimant: Optional[str],
-    ) -> Optional[int]:
+        read: Optional[MarkRead],
+    ) -> tuple[Optional[int], Optional[str]]:
         """The grant on ``session``: the key's transaction lock, its state and line, then
-        the session lock and the row, in one transaction. The token, or None."""
-        key_id = _key_id(key)
+        the session lock and the row, in one transaction. The token (or None), and the
+        mark ``read`` asks for, read after the attempt."""
+        id_ = key_id(key)
         idle_ms = str(max(1, int(ttl * 1000)))
-        session_of = {"pid": session.pid, "started": session.started}
-        record = {**dict(holder or {}), "pg_backend": session_of}
+        record = {
+            **dict(holder or {}),
+            "pg_backend": {"pid": session.pid, "started": session.started},
+        }
         params = {
-            "id": key_id,
-            "key": _bytes(key),
+            "id": id_,
+            "key": encoded(key),
             "owner": owner,
             "ttl": ttl,
             "lock": lock_id(key),
@@ -416,25 +381,18 @@ class AdvisoryBackend(PostgreSQLBackend, recipe=True):
             conn.execute(
                 "SELECT set_config('idle_in_transaction_session_timeout', %s, true), "
                 "pg_advisory_xact_lock(%s)",
-                (idle_ms, _lock_id(key_id)),
+                (idle_ms, key_lock(id_)),
             )
-            now, plain_lease, line = conn.execute(self._sql["recipe state"], params).fetchone()
-            if plain_lease:
-                return None
-            line = _text(line)
+            now, plain_lease, line = conn.execute(self._sql["state"], params).fetchone()
+            line = decoded(line)
             admitted, rest = admit(line, claimant, 1, now)
-            if not admitted:
-                return None
-            if rest != line:  # the grant takes the claimant out of the line (if it grants)
-                if rest is None:
-                    conn.execute(self._sql["delete_mark"], {"id": key_id, "kind": LINE})
-                else:
-                    conn.execute(self._sql["set_line"], {**params, "value": _bytes(rest)})
-            row = conn.execute(self._sql["recipe grant"], params).fetchone()
-            if row is None:
-                raise psycopg.Rollback()  # held: the line stays as it was
-            token = row[0]
-        return token
+            if admitted and not plain_lease:
+                row = conn.execute(self._sql["grant"], params).fetchone()
+                if row is not None:  # the lock was free: the claimant leaves the line
+                    token = row[0]
+                    self.connection.take_from_line(conn, id_, line, rest)
+            value = None if read is None else self.connection.mark_in(conn, read.key, read.kind)
+        return token, value
 
     def renew(self, leases: Iterable[Lease]) -> set[Lease]:
         lost = set()
@@ -443,13 +401,13 @@ class AdvisoryBackend(PostgreSQLBackend, recipe=True):
             if session is None:
                 lost.add(lease)
                 continue
-            params = {"id": _key_id(lease.key), "owner": lease.owner, "ttl": lease.ttl}
+            params = {"id": key_id(lease.key), "owner": lease.owner, "ttl": lease.ttl}
             try:
                 with session.lock:
-                    kept = session.conn.execute(self._sql["recipe renew"], params).fetchone()
+                    kept = session.conn.execute(self._sql["renew"], params).fetchone()
             except (psycopg.Error, OSError) as exc:
                 if not (session.conn.broken or session.conn.closed):
-                    raise translate(exc, f"renewing {lease.key!r}", self) from None
+                    raise self.connection.translate(exc, f"renewing {lease.key!r}") from None
                 # The session is gone, and its lock with it: nothing can bring it back.
                 self._let_go(lease.owner)
                 session.close()
@@ -459,24 +417,26 @@ class AdvisoryBackend(PostgreSQLBackend, recipe=True):
                 lost.add(lease)
         return lost
 
-    def release(self, lease: Lease) -> bool:
+    def release(self, lease: Lease, end: End = NO_END) -> Optional[bool]:
+        if end != NO_END:
+            return super().release(lease, end)  # the mark swapped first, then this
         session = self._let_go(lease.owner)
         if session is None:
             return self._terminate(lease)
-        key_id = _key_id(lease.key)
+        id_ = key_id(lease.key)
         params = {
-            "id": key_id,
+            "id": id_,
             "owner": lease.owner,
             "lock": lock_id(lease.key),
-            **self._notify_args(key_id),
+            **self.connection.notify_args(id_),
         }
         try:
             with session.lock:
-                unlocked = session.conn.execute(self._sql["recipe unlock"], params).fetchone()[0]
+                unlocked = session.conn.execute(self._sql["unlock"], params).fetchone()[0]
         except (psycopg.Error, OSError) as exc:
             session.close()
             if not (session.conn.broken or session.conn.closed):
-                raise translate(exc, f"releasing {lease.key!r}", self) from None
+                raise self.connection.translate(exc, f"releasing {lease.key!r}") from None
             # The session is gone, or unusable: end it from another one if it lives on.
             return self._terminate(lease)
         if unlocked:
@@ -488,20 +448,20 @@ class AdvisoryBackend(PostgreSQLBackend, recipe=True):
     def _terminate(self, lease: Lease) -> bool:
         """Free ``lease`` from a session other than its own: end the session its row
         names if that still holds the key's lock, and delete the row."""
-        key_id = _key_id(lease.key)
+        id_ = key_id(lease.key)
         params = {
-            "id": key_id,
+            "id": id_,
             "owner": lease.owner,
             "lock": lock_id(lease.key),
             "wait": TERMINATE_WAIT_MS,
-            **self._notify_args(key_id),
+            **self.connection.notify_args(id_),
         }
 
         def terminate(conn: psycopg.Connection) -> bool:
-            return any(row[0] for row in conn.execute(self._sql["recipe terminate"], params))
+            return any(row[0] for row in conn.execute(self._sql["terminate"], params))
 
         try:
-            return self._call(f"releasing {lease.key!r}", terminate, txn=False)
+            return self.connection.call(f"releasing {lease.key!r}", terminate, txn=False)
         except ConfigurationError as exc:
             if "exclusive_* tables" not in str(exc) and "grant the role" not in str(exc):
                 raise
@@ -517,94 +477,80 @@ class AdvisoryBackend(PostgreSQLBackend, recipe=True):
         freed = 0
         for info in self.holders_of(key):
             if info.fencing_token is not None:
-                freed += self.release(Lease(key, info.owner, info.fencing_token, 1.0))
+                freed += bool(self.release(Lease(key, info.owner, info.fencing_token, 1.0)))
         return freed
 
     # --- waiting ----------------------------------------------------------------------
 
-    def _look(self, key: str, claimant: Optional[str]) -> tuple[bool, bool]:
-        """(free for ``claimant``, held by a foreign session)."""
-        key_id = _key_id(key)
-        params = {"id": key_id, "lock": lock_id(key), "line": LINE}
-
-        def read(conn: psycopg.Connection) -> tuple[bool, bool]:
-            now, pid, ours, plain, line = conn.execute(
-                self._sql["recipe free for"], params
-            ).fetchone()
-            if pid is not None or plain:
-                return False, pid is not None and pid not in (ours or [])
-            return first_in_line(_text(line), claimant, now), False
-
-        return self._call(f"reading {key!r}", read, txn=False)
-
     def wait(self, key: str, timeout: float, claimant: Optional[str] = None) -> None:
-        deadline = time.monotonic() + timeout
-        listener = self._listener_for_process() if self.settings.listen else None
-        delay = POLL_MIN
-        if listener is None:
-            while True:
-                free, foreign = self._look(key, claimant)
-                remaining = deadline - time.monotonic()
-                if free or remaining <= 0:
-                    return
-                time.sleep(min(remaining, FOREIGN_POLL if foreign else delay))
-                delay = min(delay * 2, POLL_MAX)
-        # Subscribed before the first look: a release of ours between the look and the
-        # sleep still sets the event. A foreign unlock sets nothing: look again soon.
-        with listener.subscribe(_key_id(key)) as released:
-            while True:
-                free, foreign = self._look(key, claimant)
-                remaining = deadline - time.monotonic()
-                if free or remaining <= 0:
-                    return
-                if foreign:
-                    pause = FOREIGN_POLL
-                elif listener.listening.is_set():
-                    pause = MAX_SILENCE
-                else:
-                    pause, delay = delay, min(delay * 2, POLL_MAX)
-                released.wait(min(remaining, pause))
-                released.clear()
+        id_ = key_id(key)
+        params = {"id": id_, "lock": lock_id(key), "line": LINE}
+
+        # None if the key is free for the claimant; else how soon to look again: a
+        # foreign session's unlock wakes nobody, our releases notify.
+        def read(conn: psycopg.Connection) -> Optional[float]:
+            now, pid, ours, plain, line = conn.execute(self._sql["free for"], params).fetchone()
+            if pid is None and not plain:
+                return None if first_in_line(decoded(line), claimant, now) else math.inf
+            return FOREIGN_POLL if pid is not None and pid not in (ours or []) else math.inf
+
+        def look() -> Optional[float]:
+            return self.connection.call(f"reading {key!r}", read, txn=False)
+
+        self.connection.wait(id_, timeout, look)
 
     # --- who holds what ---------------------------------------------------------------
 
     def holders_of(self, key: str) -> list[LeaseInfo]:
-        key_id = _key_id(key)
-        params = {"id": key_id, "lock": lock_id(key)}
+        id_ = key_id(key)
+        params = {"id": id_, "lock": lock_id(key)}
 
         # Under the key's transaction lock (shared): no grant is half-done meanwhile, so
         # a session that took the lock has its row.
         def read(conn: psycopg.Connection) -> list[LeaseInfo]:
-            conn.execute("SELECT pg_advisory_xact_lock_shared(%s)", (_lock_id(key_id),))
-            sessions = conn.execute(_LOCK_HOLDERS, params).fetchall()
-            rows = conn.execute(self._sql["recipe rows"], params).fetchall()
+            conn.execute("SELECT pg_advisory_xact_lock_shared(%s)", (key_lock(id_),))
+            sessions = conn.execute(self._sql["lock holders"], params).fetchall()
+            rows = conn.execute(self._sql["rows"], params).fetchall()
             return _described(key, sessions, rows)
 
-        return self._call(f"reading {key!r}", read)
+        return self.connection.call(f"reading {key!r}", read)
 
     def holders(self, prefix: str = "") -> list[LeaseInfo]:
         # Ours only: a foreign session's lock names a number, not a key.
-        encoded = _bytes(prefix)
-        params = {"length": len(encoded), "prefix": encoded}
+        encoded_prefix = encoded(prefix)
+        params = {"length": len(encoded_prefix), "prefix": encoded_prefix}
 
         def read(conn: psycopg.Connection) -> list[LeaseInfo]:
             return [
-                LeaseInfo(_text(key), owner, token, expires_in, _public(json.loads(holder)))
+                LeaseInfo(decoded(key), owner, token, expires_in, _public(json.loads(holder)))
                 for key, owner, token, expires_in, holder in conn.execute(
-                    self._sql["recipe holders"], params
+                    self._sql["holders"], params
                 )
             ]
 
-        return self._call(f"listing holders under {prefix!r}", read, txn=False)
+        return self.connection.call(f"listing holders under {prefix!r}", read, txn=False)
 
-    def holders_page(
-        self,
-        prefix: str = "",
-        cursor: Optional[str] = None,
-        count: int = 100,
-        kinds: Sequence[str] = (),
-    ) -> HoldersPage:
-        return Backend.holders_page(self, prefix, cursor, count, kinds)
+    # --- records and marks, the clock, the start-up check -----------------------------
+
+    def read_record(self, lease_key: str, name: str) -> Optional[str]:
+        return self.connection.read_record(lease_key, name)
+
+    def write_record(self, lease: Lease, name: str, value: str) -> bool:
+        return self.connection.write_record(lease, name, value, _HELD)
+
+    def read_mark(self, key: str, kind: str) -> Optional[str]:
+        return self.connection.read_mark(key, kind)
+
+    def swap_mark(
+        self, key: str, kind: str, expected: Optional[str], new: Optional[str], ttl: float
+    ) -> bool:
+        return self.connection.swap_mark(key, kind, expected, new, ttl)
+
+    def store_time(self) -> float:
+        return self.connection.store_time()
+
+    def check(self, probe_key: str) -> list[str]:
+        return super().check(probe_key) + self.connection.warnings()
 
     def close(self) -> None:
         with self._sessions_lock:
@@ -616,7 +562,7 @@ class AdvisoryBackend(PostgreSQLBackend, recipe=True):
         super().close()
 
 
-def _described(key: str, sessions: list, rows: list) -> list[LeaseInfo]:
+def _described(key: str, sessions: list[Any], rows: list[Any]) -> list[LeaseInfo]:
     """The holders of ``key`` from the sessions holding its lock and the key's rows."""
     infos, named = [], set()
     for owner, token, expires_in, holder, live in rows:
@@ -646,7 +592,7 @@ def _described(key: str, sessions: list, rows: list) -> list[LeaseInfo]:
     return infos
 
 
-def _public(record: dict) -> dict:
+def _public(record: dict[str, Any]) -> dict[str, Any]:
     """The holder record as the store's other layouts keep it (without the session)."""
     return {name: value for name, value in record.items() if name != "pg_backend"}
 

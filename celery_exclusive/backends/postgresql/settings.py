@@ -22,8 +22,6 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from ...errors import ConfigurationError
 
 OPTIONS = ("schema", "pgbouncer", "listen", "recipe")
-#: ``?recipe=``: PostgreSQL's own lock the store can speak (recipe.py).
-RECIPES = ("advisory",)
 #: libpq parameters set unless the URL sets them: a dead server or network must never
 #: hang a worker (connect_timeout, tcp_user_timeout) and the server should see who we are.
 LIBPQ_DEFAULTS = {
@@ -41,7 +39,7 @@ class PostgreSQLSettings:
     schema: Optional[str] = None
     pgbouncer: bool = False
     listen: bool = True
-    #: ``advisory``: leases are session advisory locks on the key's number (recipe.py).
+    #: The ``?recipe=`` named (the layout is picked by ``backends._layout``).
     recipe: Optional[str] = None
 
 
@@ -54,11 +52,6 @@ def settings_from_url(url: str) -> PostgreSQLSettings:
     libpq += [(name, value) for name, value in LIBPQ_DEFAULTS.items() if name not in present]
     pgbouncer = _flag(ours, "pgbouncer", False)
     recipe = ours.get("recipe") or None
-    if recipe is not None and recipe not in RECIPES:
-        raise ConfigurationError(
-            f"exclusive_backend_url has recipe={recipe!r}; use advisory (PostgreSQL's "
-            "session advisory locks), or leave it out for the store's own tables."
-        )
     if recipe is not None and pgbouncer:
         raise ConfigurationError(
             "exclusive_backend_url has recipe=advisory and pgbouncer=1: a session advisory "

@@ -12,7 +12,6 @@ workers: test_postgresql_recipe_workers.py.
 
 from __future__ import annotations
 
-import inspect
 import os
 import signal
 import subprocess
@@ -31,9 +30,6 @@ from celery_exclusive.backends.postgresql import recipe as advisory
 from celery_exclusive.backends.postgresql.recipe import AdvisoryBackend, lock_id
 from celery_exclusive.core import outcomes, policies
 from celery_exclusive.core.config import Settings
-from tests.conftest import BackendCase
-from tests.contract import test_backend_contract as contract
-from tests.contract import test_line, test_lock, test_operators_view
 from tests.support.cluster import wait_until
 
 KEY = "exclusive:invoice:7"
@@ -137,25 +133,6 @@ def held_by_foreign(recipe_store, key: str) -> bool:
 def task_call(url: str, task_id: str, policy: str = "skip"):
     settings = Settings(backend_url=url, lease_ttl=10.0, on_duplicate=policy)
     return policies.claim(settings, backend_for_url(url), KEY, "billing.settle", task_id)
-
-
-# --- the store's contract, but for limits: an advisory lock has one holder per key ---------
-
-
-@pytest.fixture
-def backend_case(recipe_url):
-    return BackendCase(recipe_url)
-
-
-backend = recipe_store
-store = test_lock.store
-marks = contract.marks
-settings = test_line.settings
-for _module in (contract, test_lock, test_line, test_operators_view):
-    for _name, _test in vars(_module).items():
-        if _name.startswith("test_") and "limit" not in inspect.getsource(_test):
-            globals()[f"{_name}_under_the_recipe"] = _test
-del _module, _name, _test
 
 
 # --- the documented lock number ----------------------------------------------------------
@@ -363,9 +340,10 @@ def test_leases_with_and_without_the_recipe_on_one_schema_exclude_each_other(
 # --- what the recipe refuses --------------------------------------------------------------
 
 
-def test_a_limit_is_refused_naming_the_fix(recipe_store):
-    with pytest.raises(ConfigurationError, match="one holder per key.*without \\?recipe="):
-        recipe_store.try_acquire(KEY, owner(), 10, limit=2)
+def test_a_limit_is_refused_naming_the_fix(recipe_url, recipe_store):
+    refused = pytest.raises(ConfigurationError, match="does not offer limits.*exclusive_limit > 1")
+    with refused, ExclusiveLock(KEY, recipe_url, limit=2):
+        pytest.fail("the block ran with a limit the recipe cannot keep")
 
 
 def test_pgbouncer_transaction_pooling_is_refused_saying_why(postgres_server):
@@ -374,7 +352,7 @@ def test_pgbouncer_transaction_pooling_is_refused_saying_why(postgres_server):
 
 
 def test_an_unknown_recipe_is_refused_naming_the_one_there_is(postgres_server):
-    with pytest.raises(ConfigurationError, match="use advisory"):
+    with pytest.raises(ConfigurationError, match="its recipes: advisory"):
         _load(f"{postgres_server.url}?recipe=session")
 
 
