@@ -16,7 +16,6 @@ clock: workers' clocks never enter into it.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional
 
@@ -245,10 +244,7 @@ class PostgreSQLBackend(Backend):
         return self.connection.call(f"reading {key!r}", read, txn=False)
 
     def wait(self, key: str, timeout: float, claimant: Optional[str] = None) -> None:
-        def look() -> Optional[float]:
-            return None if self._free_for(key, claimant) else math.inf
-
-        self.connection.wait(key_id(key), timeout, look)
+        self.connection.wait(key_id(key), timeout, lambda: self._free_for(key, claimant))
 
     # --- the operators' view and hand -------------------------------------------------
 

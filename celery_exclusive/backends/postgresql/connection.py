@@ -266,9 +266,9 @@ class PostgreSQLConnection(Connection):
         """The parameters of a ``pg_notify`` that wakes the waiters of ``key_id``."""
         return {"channel": self.channel, "payload": key_id.hex()}
 
-    def wait(self, key_id: bytes, timeout: float, look: Callable[[], Optional[float]]) -> None:
-        """Block until ``look()`` answers None (the key may be free), or ``timeout``
-        passes; else ``look()`` answers how long at most to pause before looking again.
+    def wait(self, key_id: bytes, timeout: float, free: Callable[[], bool]) -> bool:
+        """Block until ``free()`` (the key may be free), or ``timeout`` passes; whether
+        it did.
 
         Looks again when a release of the key is notified (``LISTEN``), and at least
         every :data:`MAX_SILENCE`; while nobody listens (``listen=0``, PgBouncer, the
@@ -281,20 +281,25 @@ class PostgreSQLConnection(Connection):
         subscribed = listener.subscribe(key_id) if listener else contextlib.nullcontext(None)
         with subscribed as released:
             delay = POLL_MIN
-            while True:
-                pause = look()
+            while not free():
                 remaining = deadline - time.monotonic()
-                if pause is None or remaining <= 0:
-                    return
+                if remaining <= 0:
+                    return False
                 if listener is not None and listener.listening.is_set():
-                    pause = min(pause, MAX_SILENCE)
+                    pause = MAX_SILENCE
                 else:
-                    pause, delay = min(pause, delay), min(delay * 2, POLL_MAX)
+                    pause, delay = delay, min(delay * 2, POLL_MAX)
                 if released is None:
                     time.sleep(min(remaining, pause))
                 else:
                     released.wait(min(remaining, pause))
                     released.clear()
+            return True
+
+    def wake(self, conn: psycopg.Connection, id_: bytes) -> None:
+        """Wake the waiters of the key whose row id is ``id_`` as ``conn``'s transaction
+        commits (its line moved: its new first may be free to go)."""
+        conn.execute(_NOTIFY, self.notify_args(id_))
 
     def _listener_for_process(self) -> Listener:
         with self._lock:
@@ -341,8 +346,8 @@ class PostgreSQLConnection(Connection):
             if self.mark_in(conn, key, kind) != expected:
                 return False
             conn.execute(self._sql["delete_mark" if new is None else "set_mark"], params)
-            if kind == LINE:  # the line moved: its new first may be free to go
-                conn.execute(_NOTIFY, self.notify_args(id_))
+            if kind == LINE:
+                self.wake(conn, id_)
             return True
 
         return self.call(f"changing the {kind} mark of {key!r}", swap)

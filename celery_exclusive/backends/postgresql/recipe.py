@@ -13,6 +13,12 @@ whatever its transactions do. A lease on ``K`` is the session lock on :func:`loc
   A holder that dies frees the lock with its socket; one that hangs, ``ttl`` after its
   last renewal, a statement on that very session. A session is never made again: lost,
   it took the lock with it, and the next renewal reports the lease lost.
+- **A waiter takes its turn in PostgreSQL's own queue**: the first in our line asks
+  ``pg_advisory_lock`` on a session of its own (:class:`_Turn`), so it is served in turn
+  with foreign clients that wait the same way, and the lock it is granted becomes its
+  lease. A poll with ``pg_try_advisory_lock`` would never be served while foreign
+  clients re-lock back to back: each unlock grants the lock to whoever waits in the
+  queue, and a newcomer never goes ahead of them (lock.c: LockAcquire, ProcLockWakeup).
 - **Who holds it**: each grant also writes a row in ``exclusive_leases`` (owner, token
   from ``exclusive_fences``, holder record, and the session under ``"pg_backend"``), which
   counts only while its session holds the lock. A session holding the lock that no row
@@ -31,24 +37,34 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
 import os
+import select
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import psycopg
+from psycopg import pq
 
 from ...errors import ConfigurationError
 from ..base import NO_END, Backend, Capabilities, End, Lease, LeaseInfo, MarkRead
 from ..line import LINE, admit, first_in_line
 from .connection import NOW, PostgreSQLConnection, decoded, encoded, inherited, key_id, key_lock
+from .watchdog import CALL_TIMEOUT, WATCH_INTERVAL
 
 #: The value of ``?recipe=`` this module speaks.
 RECIPE = "advisory"
-#: Seconds between two looks at a key a foreign session holds: its unlock wakes nobody.
-FOREIGN_POLL = 0.1
+#: Seconds a waiter's place in PostgreSQL's queue is kept after its wait() returns, for
+#: its next step (its try, its next wait); then it is given up.
+KEEP_TURN = 1.0
+#: Milliseconds the server keeps a lock granted to a waiter that does not take it (its
+#: process stopped): the waiting session's ``idle_session_timeout``.
+TURN_IDLE_MS = 2000
+#: Milliseconds between the server's checks that a waiting session's client is still
+#: there (``client_connection_check_interval``): a waiter that died leaves the queue.
+CLIENT_CHECK_MS = 1000
 #: Idle lock sessions a process keeps for its next leases.
 POOL_SIZE = 2
 #: PostgreSQL 14 brought ``idle_session_timeout``, which ends a lost holder's session.
@@ -102,12 +118,13 @@ SELECT {now},
         AND expires_at > clock_timestamp())
 """
 
-# Take the session lock; if taken: end the session ``idle`` ms after its last statement,
-# drop the key's rows (stale: their sessions no longer hold it), raise the fence, write
-# the row. Returns the fencing token, or no row when the lock is held.
+# Take the session lock (unless the session holds it already: a waiter's turn came); if
+# taken: end the session ``idle`` ms after its last statement, drop the key's rows (stale:
+# their sessions no longer hold it), raise the fence, write the row. Returns the fencing
+# token, or no row when the lock is held.
 _GRANT = """
 WITH got AS MATERIALIZED (
-    SELECT pg_try_advisory_lock(%(lock)s) AS ok
+    SELECT CASE WHEN %(held)s THEN true ELSE pg_try_advisory_lock(%(lock)s) END AS ok
 ), idle AS MATERIALIZED (
     SELECT set_config('idle_session_timeout', %(idle)s, false) FROM got WHERE ok
 ), stale AS (
@@ -134,8 +151,9 @@ WHERE key_id = %(id)s AND owner = %(owner)s
 RETURNING 1
 """
 
-# On the holder's session: unlock, stop the idle clock (the session goes back to the
-# pool), delete the row, wake our waiters. Returns whether the session held the lock.
+# On the holder's session (or a waiter's, refused its grant): unlock, stop the idle clock
+# (the session goes back to the pool), delete the row, wake our waiters. Returns whether
+# the session held the lock.
 _UNLOCK = """
 WITH gone AS (DELETE FROM {leases} WHERE key_id = %(id)s AND owner = %(owner)s)
 SELECT pg_advisory_unlock(%(lock)s), set_config('idle_session_timeout', '0', false),
@@ -178,17 +196,6 @@ WHERE substring(r.key FROM 1 FOR %(length)s) = %(prefix)s AND {held}
 ORDER BY r.key, r.fencing_token
 """
 
-# wait(): now, the pid of the session holding the lock, the sessions our rows name,
-# whether a lease of the store's own layout holds the key, and the line.
-_FREE_FOR = """
-SELECT {now}, ({locks} LIMIT 1),
-       ARRAY(SELECT {session_pid} FROM {leases} r WHERE r.key_id = %(id)s),
-       EXISTS (SELECT FROM {leases} WHERE key_id = %(id)s AND expires_at > clock_timestamp()
-               AND holder::jsonb -> 'pg_backend' IS NULL),
-       (SELECT value FROM {marks} WHERE key_id = %(id)s AND kind = %(line)s
-        AND expires_at > clock_timestamp())
-"""
-
 
 @dataclass(eq=False)
 class _Session:
@@ -202,6 +209,88 @@ class _Session:
     def close(self) -> None:
         with contextlib.suppress(psycopg.Error):
             self.conn.close()
+
+
+class _Turn:
+    """A waiter's place in PostgreSQL's own queue for a key's lock: a session of its own
+    that asks ``pg_advisory_lock``, watched by a thread of its own.
+
+    It is kept from one wait() to the next (a wait lasts a third of the ttl at most,
+    a foreign hold may last longer) while the waiter asks for it, until :attr:`until`
+    (monotonic); then the request is cancelled. Once granted, the session holds the lock
+    for the waiter's next try_acquire (:meth:`take`), which makes it the lease; untaken
+    by :attr:`until`, it is closed, and the lock goes to the next in the queue.
+    """
+
+    def __init__(self, session: _Session, lock: int, until: float) -> None:
+        self.session = session
+        self.until = until
+        self.granted = False
+        #: Set once the request is answered: granted, or not (cancelled, lost).
+        self.answered = threading.Event()
+        self._taken = threading.Event()
+        self._guard = threading.Lock()
+        self._closed = False
+        thread = threading.Thread(target=self._run, args=(lock,), daemon=True)
+        thread.name = "celery-exclusive-pg-turn"
+        thread.start()
+
+    def _run(self, lock: int) -> None:
+        conn = self.session.conn
+        try:
+            conn.execute(
+                "SELECT set_config('idle_session_timeout', %s, false), "
+                "set_config('client_connection_check_interval', %s, false)",
+                (str(TURN_IDLE_MS), str(CLIENT_CHECK_MS)),
+            )
+            self.granted = self._ask(conn.pgconn, lock)
+        except (psycopg.Error, OSError):
+            pass
+        self.answered.set()
+        while self.granted and not self._taken.is_set() and time.monotonic() < self.until:
+            self._taken.wait(max(0.0, self.until - time.monotonic()))
+        self.give_up()
+
+    def _ask(self, pgconn: Any, lock: int) -> bool:
+        """``pg_advisory_lock`` sent without blocking: cancelled once :attr:`until`
+        passes, the connection dropped if even the cancel goes unanswered."""
+        pgconn.send_query_params(b"SELECT pg_advisory_lock($1)", [str(lock).encode()])
+        cancelled = False
+        while pgconn.is_busy():
+            now = time.monotonic()
+            if now > self.until + CALL_TIMEOUT:
+                return False  # the server answers nothing: the session is closed
+            if now > self.until and not cancelled:
+                cancelled = True
+                self.session.conn.cancel_safe(timeout=CALL_TIMEOUT)
+            select.select([pgconn.socket], [], [], WATCH_INTERVAL)
+            pgconn.consume_input()
+        results = []
+        while (result := pgconn.get_result()) is not None:
+            results.append(result)
+        return bool(results) and results[0].status == pq.ExecStatus.TUPLES_OK
+
+    @property
+    def live(self) -> bool:
+        """Still asking, or granted and neither taken nor given up."""
+        return not self._closed and (self.granted or not self.answered.is_set())
+
+    def take(self) -> Optional[_Session]:
+        """The session holding the lock, for the waiter's try_acquire; None if not
+        granted (yet), or given up."""
+        with self._guard:
+            if not self.granted or self._closed:
+                return None
+            self._taken.set()
+            return self.session
+
+    def give_up(self) -> None:
+        """Leave the queue, or let the granted lock go, unless it was taken."""
+        self.until = 0.0
+        with self._guard:
+            if not self._taken.is_set() and self.answered.is_set() and not self._closed:
+                self._closed = True
+                self.session.close()
 
 
 class AdvisoryBackend(Backend):
@@ -225,7 +314,6 @@ class AdvisoryBackend(Backend):
                 "lock holders": _LOCK_HOLDERS,
                 "rows": _ROWS,
                 "holders": _HOLDERS,
-                "free for": _FREE_FOR,
             },
             **_NAMES,
         )
@@ -235,6 +323,8 @@ class AdvisoryBackend(Backend):
         self._held: dict[str, _Session] = {}
         #: sessions that hold nothing, kept for the next grants (at most POOL_SIZE)
         self._idle: list[_Session] = []
+        #: (key, claimant) -> its waiter's place in PostgreSQL's queue for the key's lock
+        self._turns: dict[tuple[str, Optional[str]], _Turn] = {}
 
     # --- sessions ---------------------------------------------------------------------
 
@@ -242,8 +332,10 @@ class AdvisoryBackend(Backend):
         """In a forked child: the parent's sessions are the parent's. Never use or close
         them (closing ends the parent's sessions and frees its locks)."""
         if self._sessions_pid != os.getpid():
-            inherited.extend(s.conn for s in [*self._held.values(), *self._idle])
-            self._held, self._idle, self._sessions_pid = {}, [], os.getpid()
+            turns = [turn.session for turn in self._turns.values()]
+            inherited.extend(s.conn for s in [*self._held.values(), *self._idle, *turns])
+            self._held, self._idle, self._turns = {}, [], {}
+            self._sessions_pid = os.getpid()
 
     def _take_session(self) -> tuple[_Session, bool]:
         """An idle session (True: from the pool) or a new one (False)."""
@@ -317,10 +409,12 @@ class AdvisoryBackend(Backend):
         claimant: Optional[str] = None,
         read: Optional[MarkRead] = None,
     ) -> Optional[Lease]:
+        taken = self._take_turn(key, claimant)  # holds the lock: the waiter's turn came
         for attempt in (1, 2):
-            session, pooled = self._take_session()
+            held = taken is not None and attempt == 1
+            session, pooled = (taken, True) if held and taken else self._take_session()
             try:
-                token, value = self._grant(session, key, owner, ttl, holder, claimant, read)
+                token, value = self._grant(session, key, owner, ttl, holder, claimant, read, held)
             except (psycopg.Error, OSError) as exc:
                 # Whatever the statement did, the session may hold the lock now (a
                 # rollback keeps a session lock): end it, and the lock goes with it.
@@ -338,10 +432,16 @@ class AdvisoryBackend(Backend):
             if read is not None:
                 read.value, read.done = value, True
             if token is None:
-                self._keep(session)
+                if held:  # the line or a lease of the store's own layout goes first
+                    self._unlock(session, Lease(key, owner, 0, ttl))
+                else:
+                    self._keep(session)
                 return None
             with self._sessions_lock:
                 self._held[owner] = session
+                turn = self._turns.pop((key, claimant), None)
+            if turn is not None:
+                turn.give_up()  # still queued: no longer needed
             return Lease(key, owner, token, ttl, 1)
         raise AssertionError("unreachable")
 
@@ -354,10 +454,12 @@ class AdvisoryBackend(Backend):
         holder: Optional[Mapping[str, Any]],
         claimant: Optional[str],
         read: Optional[MarkRead],
+        held: bool,
     ) -> tuple[Optional[int], Optional[str]]:
-        """The grant on ``session``: the key's transaction lock, its state and line, then
-        the session lock and the row, in one transaction. The token (or None), and the
-        mark ``read`` asks for, read after the attempt."""
+        """The grant on ``session`` (``held``: which holds the lock already): the key's
+        transaction lock, its state and line, then the session lock and the row, in one
+        transaction. The token (or None), and the mark ``read`` asks for, read after the
+        attempt."""
         id_ = key_id(key)
         idle_ms = str(max(1, int(ttl * 1000)))
         record = {
@@ -373,6 +475,7 @@ class AdvisoryBackend(Backend):
             "idle": idle_ms,
             "holder": json.dumps(record),
             "line": LINE,
+            "held": held,
         }
         conn, token = session.conn, None
         with session.lock, conn.transaction():
@@ -391,6 +494,8 @@ class AdvisoryBackend(Backend):
                 if row is not None:  # the lock was free: the claimant leaves the line
                     token = row[0]
                     self.connection.take_from_line(conn, id_, line, rest)
+                    if rest is not None:  # the next in line takes its turn in the queue
+                        self.connection.wake(conn, id_)
             value = None if read is None else self.connection.mark_in(conn, read.key, read.kind)
         return token, value
 
@@ -423,6 +528,10 @@ class AdvisoryBackend(Backend):
         session = self._let_go(lease.owner)
         if session is None:
             return self._terminate(lease)
+        return self._unlock(session, lease)
+
+    def _unlock(self, session: _Session, lease: Lease) -> bool:
+        """Unlock ``lease.key`` on ``session``, which holds it, and keep the session."""
         id_ = key_id(lease.key)
         params = {
             "id": id_,
@@ -483,21 +592,55 @@ class AdvisoryBackend(Backend):
     # --- waiting ----------------------------------------------------------------------
 
     def wait(self, key: str, timeout: float, claimant: Optional[str] = None) -> None:
-        id_ = key_id(key)
-        params = {"id": id_, "lock": lock_id(key), "line": LINE}
+        """Wait for ``claimant``'s turn in our line, then in PostgreSQL's own queue for the
+        key's lock (:class:`_Turn`), whose grant ``try_acquire`` takes next."""
+        deadline = time.monotonic() + timeout
+        turn = self._turn(key, claimant)
+        if turn is None:
+            id_ = key_id(key)
+            params = {"id": id_, "line": LINE}
 
-        # None if the key is free for the claimant; else how soon to look again: a
-        # foreign session's unlock wakes nobody, our releases notify.
-        def read(conn: psycopg.Connection) -> Optional[float]:
-            now, pid, ours, plain, line = conn.execute(self._sql["free for"], params).fetchone()
-            if pid is None and not plain:
-                return None if first_in_line(decoded(line), claimant, now) else math.inf
-            return FOREIGN_POLL if pid is not None and pid not in (ours or []) else math.inf
+            # First in our line, and no lease of the store's own layout on the key.
+            def first(conn: psycopg.Connection) -> bool:
+                now, plain_lease, line = conn.execute(self._sql["state"], params).fetchone()
+                return not plain_lease and first_in_line(decoded(line), claimant, now)
 
-        def look() -> Optional[float]:
-            return self.connection.call(f"reading {key!r}", read, txn=False)
+            def our_turn() -> bool:
+                return self.connection.call(f"reading {key!r}", first, txn=False)
 
-        self.connection.wait(id_, timeout, look)
+            if not self.connection.wait(id_, timeout, our_turn):
+                return
+            turn = self._queue(key, claimant, deadline + KEEP_TURN)
+        turn.until = max(turn.until, deadline + KEEP_TURN)
+        turn.answered.wait(max(0.0, deadline - time.monotonic()))
+
+    def _turn(self, key: str, claimant: Optional[str]) -> Optional[_Turn]:
+        """``claimant``'s place in the queue for ``key``'s lock, unless it was given up."""
+        with self._sessions_lock:
+            self._forked()
+            turn = self._turns.get((key, claimant))
+            if turn is not None and not turn.live:
+                del self._turns[(key, claimant)]
+                return None
+            return turn
+
+    def _take_turn(self, key: str, claimant: Optional[str]) -> Optional[_Session]:
+        """The session ``claimant``'s granted turn holds ``key``'s lock on, taken from it."""
+        with self._sessions_lock:
+            self._forked()
+            turn = self._turns.get((key, claimant))
+            session = None if turn is None else turn.take()
+            if session is not None:
+                del self._turns[(key, claimant)]
+            return session
+
+    def _queue(self, key: str, claimant: Optional[str], until: float) -> _Turn:
+        """Ask for ``key``'s lock on a session of its own, for ``claimant``."""
+        session, _ = self._take_session()
+        turn = _Turn(session, lock_id(key), until)
+        with self._sessions_lock:
+            self._turns[(key, claimant)] = turn
+        return turn
 
     # --- who holds what ---------------------------------------------------------------
 
@@ -556,9 +699,11 @@ class AdvisoryBackend(Backend):
         with self._sessions_lock:
             sessions = [*self._held.values(), *self._idle]
             if self._sessions_pid == os.getpid():
+                for turn in self._turns.values():
+                    turn.give_up()
                 for session in sessions:
                     session.close()
-            self._held, self._idle = {}, []
+            self._held, self._idle, self._turns = {}, [], {}
         super().close()
 
 
