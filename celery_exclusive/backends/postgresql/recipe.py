@@ -81,29 +81,35 @@ def lock_id(key: str) -> int:
     return int.from_bytes(digest[:8], "big", signed=True)
 
 
-# The sessions holding the advisory lock {lock}. pg_locks shows a bigint advisory lock as
-# classid (high 32 bits), objid (low 32 bits) and objsubid 1 in the current database
-# (lockfuncs.c, SET_LOCKTAG_INT64).
+# The sessions holding the advisory lock {lock}, each with what pg_stat_activity shows of
+# it. pg_locks shows a bigint advisory lock as classid (high 32 bits), objid (low 32 bits)
+# and objsubid 1 in the current database (lockfuncs.c, SET_LOCKTAG_INT64). A session is
+# its pid and its start: a pid outlives its session, and may be a foreign client's next.
 _LOCKS = """
-SELECT l.pid FROM pg_locks l
+SELECT l.pid, extract(epoch FROM a.backend_start)::float8 AS started, a.usename,
+       a.application_name, host(a.client_addr)
+FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
 WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted
   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
   AND ((l.classid::bigint << 32) | l.objid::bigint) = {lock}
 """
-# The session a row ``r`` of ours names, if it is the recipe's.
+# The session a row ``r`` of ours names, if it is the recipe's: its pid and its start.
 _SESSION_PID = "(r.holder::jsonb #>> '{pg_backend,pid}')::int"
+_SESSION_STARTED = "(r.holder::jsonb #>> '{pg_backend,started}')::float8"
 # A row ``r`` of ours is a live lease if it names a session that holds the key's lock (the
 # same number in SQL, of the key held as bytes), or, for a lease of the store's own
 # layout (no "pg_backend"), while it has not expired.
+_HELD_BY_ROW = _LOCKS.format(lock="('x' || left(md5(r.key), 16))::bit(64)::bigint")
 _HELD = f"""
 (CASE WHEN r.holder::jsonb -> 'pg_backend' IS NULL THEN r.expires_at > clock_timestamp()
-      ELSE {_SESSION_PID} IN ({_LOCKS.format(lock="('x' || left(md5(r.key), 16))::bit(64)::bigint")}
-      ) END)
+      ELSE ({_SESSION_PID}, {_SESSION_STARTED}) IN (SELECT pid, started FROM ({_HELD_BY_ROW}) s)
+ END)
 """
 # What the statements below name, besides the tables.
 _NAMES = {
     "now": NOW,
     "session_pid": _SESSION_PID,
+    "session_started": _SESSION_STARTED,
     "held": _HELD,
     "locks": _LOCKS.format(lock="%(lock)s"),
 }
@@ -166,21 +172,16 @@ SELECT pg_advisory_unlock(%(lock)s), set_config('idle_session_timeout', '0', fal
 _TERMINATE = """
 WITH mine AS (
     DELETE FROM {leases} r WHERE key_id = %(id)s AND owner = %(owner)s
-    RETURNING r.key, r.holder, r.expires_at, {session_pid} AS pid
+    RETURNING r.expires_at, {session_pid} AS pid, {session_started} AS started
 )
 SELECT CASE WHEN r.pid IS NULL THEN r.expires_at > clock_timestamp()
             ELSE pg_terminate_backend(r.pid, %(wait)s) END,
        pg_notify(%(channel)s, %(payload)s)
 FROM mine r
-WHERE r.pid IS NULL OR r.pid IN ({locks})
+WHERE r.pid IS NULL OR (r.pid, r.started) IN (SELECT pid, started FROM ({locks}) s)
 """
 
-# Who holds the key: every session holding its lock (with what pg_stat_activity shows of
-# it), and the key's rows.
-_LOCK_HOLDERS = """
-SELECT l.pid, a.usename, a.application_name, a.client_addr::text
-FROM ({locks}) l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
-"""
+# The key's rows: with the sessions holding its lock (``_LOCKS``), who holds the key.
 _ROWS = """
 SELECT r.owner, r.fencing_token, extract(epoch FROM r.expires_at - clock_timestamp())::float8,
        r.holder, r.expires_at > clock_timestamp()
@@ -311,7 +312,7 @@ class AdvisoryBackend(Backend):
                 "renew": _RENEW,
                 "unlock": _UNLOCK,
                 "terminate": _TERMINATE,
-                "lock holders": _LOCK_HOLDERS,
+                "lock holders": "{locks}",
                 "rows": _ROWS,
                 "holders": _HOLDERS,
             },
@@ -708,8 +709,11 @@ class AdvisoryBackend(Backend):
 
 
 def _described(key: str, sessions: list[Any], rows: list[Any]) -> list[LeaseInfo]:
-    """The holders of ``key`` from the sessions holding its lock and the key's rows."""
+    """The holders of ``key`` from the sessions holding its lock and the key's rows: a
+    row of ours counts while the very session it names (pid and start) holds the lock;
+    a session no row names is a foreign holder."""
     infos, named = [], set()
+    holding = {(pid, started) for pid, started, *_ in sessions}
     for owner, token, expires_in, holder, live in rows:
         record = json.loads(holder)
         backend = record.get("pg_backend")
@@ -717,11 +721,12 @@ def _described(key: str, sessions: list[Any], rows: list[Any]) -> list[LeaseInfo
             if live:  # a lease of the store's own layout
                 infos.append(LeaseInfo(key, owner, token, expires_in, record))
             continue
-        if any(pid == backend.get("pid") for pid, *_ in sessions):
-            named.add(backend.get("pid"))
+        session = (backend.get("pid"), backend.get("started"))
+        if session in holding:
+            named.add(session)
             infos.append(LeaseInfo(key, owner, token, expires_in, _public(record)))
-    for pid, user, application, client in sessions:
-        if pid in named:
+    for pid, started, user, application, client in sessions:
+        if (pid, started) in named:
             continue
         seen = [
             f"user {user}" if user else "",

@@ -12,6 +12,7 @@ workers: test_postgresql_recipe_workers.py.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -27,6 +28,7 @@ import pytest
 from celery_exclusive import ConfigurationError, ExclusiveLock, LockHeld, backend_for_url
 from celery_exclusive.backends import _load
 from celery_exclusive.backends.postgresql import recipe as advisory
+from celery_exclusive.backends.postgresql.connection import encoded, key_id
 from celery_exclusive.backends.postgresql.recipe import AdvisoryBackend, lock_id
 from celery_exclusive.core import outcomes, policies
 from celery_exclusive.core.config import Settings
@@ -164,6 +166,54 @@ def test_a_psql_session_holding_the_lock_makes_a_task_call_skip_and_name_it(
     with pytest.raises(LockHeld, match="session advisory lock"), ExclusiveLock(KEY, recipe_url):
         pytest.fail("the block ran beside psql's lock")
     assert theirs.unlock(KEY)  # ours never unlocked it
+
+
+def test_a_foreign_session_is_named_by_its_pid_user_application_and_address(
+    postgres_server, recipe_store
+):
+    with psycopg.connect(
+        postgres_server.url, autocommit=True, application_name="nightly-report"
+    ) as theirs:
+        theirs.execute(f"SELECT pg_advisory_lock({lock_sql(KEY)})")
+        [info] = recipe_store.holders_of(KEY)
+        pid = theirs.info.backend_pid
+    assert (info.owner, info.fencing_token) == (f"pg_backend:{pid}", None)
+    assert info.holder == {
+        "foreign": f"a PostgreSQL session advisory lock on {lock_id(KEY)} held by backend "
+        f"{pid} (user postgres, application 'nightly-report', from 127.0.0.1)"
+    }
+
+
+def left_behind(store, key: str, pid: int) -> None:
+    """A row of ours naming the session ``pid`` of another start: what a session of ours
+    that held ``key`` and ended leaves until the next grant, its pid free for the next."""
+    record = json.dumps({"task": "gone", "pg_backend": {"pid": pid, "started": 1.0}})
+    store.connection.call(
+        "leaving a row behind",
+        lambda conn: conn.execute(
+            f"INSERT INTO {store.connection.tables['leases']} VALUES "
+            "(%s, 'gone', %s, 1, 1, clock_timestamp() + interval '1 hour', %s)",
+            (key_id(key), encoded(key), record),
+        ),
+    )
+
+
+def test_a_foreign_session_with_the_pid_a_row_of_ours_names_stays_foreign_and_untouched(
+    recipe_store, psql
+):
+    theirs = psql()
+    theirs.lock(KEY)
+    left_behind(recipe_store, KEY, theirs.pid)
+    [info] = recipe_store.holders_of(KEY)
+    assert info.fencing_token is None
+    assert (
+        f"held by backend {theirs.pid} (user postgres, application 'psql'"
+        in (info.holder["foreign"])
+    )
+    assert recipe_store.holders("exclusive:") == []
+    assert recipe_store.force_release(KEY) == 0
+    assert theirs.run("SELECT 1") == "1"  # its session lives on, never terminated
+    assert theirs.unlock(KEY)
 
 
 def test_a_waiting_lock_takes_the_key_as_soon_as_psql_unlocks(recipe_url, recipe_store, psql):
