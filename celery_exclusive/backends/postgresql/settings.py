@@ -39,8 +39,6 @@ class PostgreSQLSettings:
     schema: Optional[str] = None
     pgbouncer: bool = False
     listen: bool = True
-    #: The ``?recipe=`` named (the layout is picked by ``backends._layout``).
-    recipe: Optional[str] = None
 
 
 def settings_from_url(url: str) -> PostgreSQLSettings:
@@ -51,8 +49,7 @@ def settings_from_url(url: str) -> PostgreSQLSettings:
     present = {name for name, _ in libpq}
     libpq += [(name, value) for name, value in LIBPQ_DEFAULTS.items() if name not in present]
     pgbouncer = _flag(ours, "pgbouncer", False)
-    recipe = ours.get("recipe") or None
-    if recipe is not None and pgbouncer:
+    if ours.get("recipe") and pgbouncer:
         raise ConfigurationError(
             "exclusive_backend_url has recipe=advisory and pgbouncer=1: a session advisory "
             "lock lives as long as the server session that took it, and PgBouncer in "
@@ -66,7 +63,6 @@ def settings_from_url(url: str) -> PostgreSQLSettings:
         schema=ours.get("schema") or None,
         pgbouncer=pgbouncer,
         listen=_flag(ours, "listen", not pgbouncer),
-        recipe=recipe,
     )
 
 
