@@ -173,6 +173,10 @@ BACKEND_CASES = {
     "etcd": lambda request: BackendCase(request.getfixturevalue("etcd_url"), short_ttl=1.0),
     "mongodb": lambda request: BackendCase(request.getfixturevalue("mongodb_url")),
     "postgresql": lambda request: BackendCase(request.getfixturevalue("postgresql_url")),
+    # The PostgreSQL store speaking session advisory locks (?recipe=advisory).
+    "postgresql-advisory": lambda request: BackendCase(
+        request.getfixturevalue("postgresql_url") + "&recipe=advisory"
+    ),
     "redis-cluster": lambda request: BackendCase(request.getfixturevalue("redis_cluster_url")),
     # The Redis store speaking Redis's SET NX lock recipe (?recipe=set-nx).
     "redis-set-nx": lambda request: BackendCase(

@@ -113,15 +113,15 @@ def _foreign_rows(store) -> list:
     now = "clock_timestamp() - interval '1 hour'"  # expired: what a tidy-up would take
 
     def rows(conn):
-        table = f"{store.settings.schema}.exclusive_leases"
+        table = f"{store.connection.settings.schema}.exclusive_leases"
         conn.execute(
             f"INSERT INTO {table} VALUES (%s, 'theirs', %s, 1, 1, {now}, '{{}}') "
             "ON CONFLICT DO NOTHING",
             (b"theirs", b"theirs"),
         )
         return conn.execute(
-            f"SELECT owner FROM {store.settings.schema}.exclusive_leases WHERE key_id = %s",
+            f"SELECT owner FROM {table} WHERE key_id = %s",
             (b"theirs",),
         ).fetchall()
 
-    return store._call("test", rows)
+    return store.connection.call("test", rows)

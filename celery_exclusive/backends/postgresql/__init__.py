@@ -1,30 +1,20 @@
 """PostgreSQL lease store (``postgresql://``, psycopg 3).
 
 ``postgresql://user:password@host:5432/database?sslmode=verify-full&schema=leases``:
-libpq's own URL, so every libpq option works; ``schema=``, ``pgbouncer=1`` and
-``listen=0`` are this store's (see :mod:`.settings`).
+libpq's own URL, so every libpq option works; ``schema=``, ``pgbouncer=1``,
+``listen=0`` and ``recipe=advisory`` are this store's (see :mod:`.settings`).
 
-Tables (``schema.sql``; created on first use, or once by :func:`migrate`):
-``exclusive_leases`` (one row per grant), ``exclusive_fences`` (each key's last
-fencing token, never deleted), ``exclusive_marks`` (lines, pending reruns),
-``exclusive_records`` (the beat leader's records). Rows are found by the SHA-256 of
-the key, and keys are kept as bytes, so any key, NUL included, is exact.
-
-Guarantees: each operation is one transaction; a grant and the line check are one
-step under the key's transaction-scoped advisory lock; expiry is the database's clock
-(``clock_timestamp()``); fencing tokens are ``GREATEST(counter + 1, database clock
-in µs)`` and so rise across deletes, restarts and restores; ``wait()`` is woken by
-``LISTEN/NOTIFY`` on release. One connection per process (plus one LISTENing
-connection while a ``wait()`` runs); a connection lost to a server restart is made
-again on the next call. An acquire or release whose answer was lost is read back
-until its outcome is known.
+A connection (:mod:`.connection`: the client, its failures, wake-ups, marks and
+records) and two layouts over it: the library's own, leases as rows of its tables
+(:mod:`.backend`, ``schema.sql``), and ``?recipe=advisory``, leases as session advisory
+locks any SQL can take too (:mod:`.recipe`).
 """
 
 from .backend import PostgreSQLBackend
-from .recipe import AdvisoryBackend
+from .connection import PostgreSQLConnection
 from .schema import schema_sql
 
-__all__ = ["AdvisoryBackend", "PostgreSQLBackend", "migrate", "schema_sql"]
+__all__ = ["PostgreSQLBackend", "PostgreSQLConnection", "migrate", "schema_sql"]
 
 
 def migrate(url: str) -> str:
@@ -35,8 +25,8 @@ def migrate(url: str) -> str:
     then grant the workers SELECT, INSERT, UPDATE and DELETE on the ``exclusive_*``
     tables.
     """
-    backend = PostgreSQLBackend(url)
+    connection = PostgreSQLConnection(url)
     try:
-        return backend.migrate()
+        return connection.migrate()
     finally:
-        backend.close()
+        connection.close()

@@ -4,52 +4,32 @@ the key that any SQL can compute.
 PostgreSQL's own lock for application code is the advisory lock
 (src/backend/utils/adt/lockfuncs.c): ``pg_advisory_lock(bigint)`` waits for it,
 ``pg_try_advisory_lock(bigint)`` takes it or answers false, ``pg_advisory_unlock(bigint)``
-gives it back. A session-level lock is held until its session unlocks it or ends,
-whatever its transactions do (a rollback keeps it). It locks a number in the current
-database; code that locks a name locks a hash of it. Ours, :func:`lock_id`, is the
-common one: the first 8 bytes of the MD5 of the key's UTF-8, big-endian, signed::
+gives it back; a session-level lock is held until its session unlocks it or ends,
+whatever its transactions do. A lease on ``K`` is the session lock on :func:`lock_id`
+(``K``), the common hash: ``('x' || left(md5(K), 16))::bit(64)::bigint`` in SQL.
 
-    ('x' || left(md5(key), 16))::bit(64)::bigint        -- key: text in a UTF8 database
+- **The session is the lease, and the server's clock ends it**: one database session
+  per lease (pooled once released), whose ``idle_session_timeout`` is the lease's ttl.
+  A holder that dies frees the lock with its socket; one that hangs, ``ttl`` after its
+  last renewal, a statement on that very session. A session is never made again: lost,
+  it took the lock with it, and the next renewal reports the lease lost.
+- **A waiter takes its turn in PostgreSQL's own queue**: the first in our line asks
+  ``pg_advisory_lock`` on a session of its own (:class:`_Turn`), so it is served in turn
+  with foreign clients that wait the same way, and the lock it is granted becomes its
+  lease. A poll with ``pg_try_advisory_lock`` would never be served while foreign
+  clients re-lock back to back: each unlock grants the lock to whoever waits in the
+  queue, and a newcomer never goes ahead of them (lock.c: LockAcquire, ProcLockWakeup).
+- **Who holds it**: each grant also writes a row in ``exclusive_leases`` (owner, token
+  from ``exclusive_fences``, holder record, and the session under ``"pg_backend"``), which
+  counts only while its session holds the lock. A session holding the lock that no row
+  names is a foreign holder, named, and never unlocked or terminated: ``force_release``
+  ends only sessions a row of ours names.
+- The store's own per-key transaction lock stays another hash of the key (the first 8
+  bytes of its SHA-256), so a recipe holder never blocks the store's transactions, and
+  workers with and without ``?recipe=`` on one schema see each other's leases.
 
-With ``postgresql://...?recipe=advisory``, a lease on ``K`` is the session lock on
-``lock_id(K)``: a task with the key ``exclusive:invoice:7`` and
-``SELECT pg_try_advisory_lock(('x' || left(md5('exclusive:invoice:7'), 16))::bit(64)::bigint)``
-exclude each other. So:
-
-- **Our holder** is one database session per lease, opened for it (and kept for the
-  next lease once released): ``pg_advisory_lock`` elsewhere waits for it,
-  ``pg_try_advisory_lock`` answers false, exactly as against another session. Its
-  release is ``pg_advisory_unlock``.
-- **The session is the lease, and the server's clock ends it.** A grant sets
-  ``idle_session_timeout`` to the lease's ttl on that session: the server ends a session
-  that has sent nothing for that long, and the lock with it. A worker that dies frees
-  the lock at once (its socket closes); one that hangs or loses the network frees it
-  ``ttl`` after its last renewal, by the server's clock. A **renewal** is a statement on
-  that very session: it restarts the server's idle clock, and its answer proves the
-  session, and so the lock, alive. A session is never made again: when it is lost
-  (a server restart or failover, ``pg_terminate_backend``, a broken link) the lock went
-  with it, and the next renewal reports the lease lost.
-- **A foreign holder** (a session holding the lock with no row of ours naming it) makes
-  our duplicates skip, wait or requeue, and is named: its backend pid, user, application
-  and client address. Our waiters look every :data:`FOREIGN_POLL` seconds while it
-  holds (its unlock notifies nobody); our own releases wake them by ``NOTIFY``.
-- **Never touched**: a foreign session is never unlocked or terminated. ``force_release``
-  ends only sessions that a row of ours names as holding the key.
-
-Our fencing token stays ours: each grant raises the key's counter in
-``exclusive_fences`` as the store always does. A grant also writes a row in
-``exclusive_leases`` (owner, token, holder record, and the backend pid of its session
-under ``"pg_backend"``), which says who holds the key; a row counts only while its
-session holds the lock. Marks, lines and records stay in the store's tables.
-
-The store's own per-key transaction lock stays what it is without the recipe
-(``pg_advisory_xact_lock`` on the first 8 bytes of the key's SHA-256, another hash):
-a recipe holder never blocks the store's transactions, and workers with and without
-``?recipe=`` on one schema serialize on it and see each other's leases.
-
-Refused, with a named error: ``pgbouncer=1`` (transaction pooling cannot keep a session
-for a lease), ``exclusive_limit`` above 1 (a lock has one holder), PostgreSQL before 14
-(no ``idle_session_timeout``).
+Refused, by name: ``pgbouncer=1`` (transaction pooling cannot keep a session for a
+lease), a limit above 1, PostgreSQL before 14 (no ``idle_session_timeout``).
 """
 
 from __future__ import annotations
@@ -58,35 +38,33 @@ import contextlib
 import hashlib
 import json
 import os
+import select
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import psycopg
+from psycopg import pq
 
 from ...errors import ConfigurationError
-from ..base import Backend, HoldersPage, Lease, LeaseInfo
+from ..base import NO_END, Backend, Capabilities, End, Lease, LeaseInfo, MarkRead
 from ..line import LINE, admit, first_in_line
-from .backend import (
-    _NOW,
-    MAX_SILENCE,
-    POLL_MAX,
-    POLL_MIN,
-    PostgreSQLBackend,
-    _bytes,
-    _inherited,
-    _key_id,
-    _lock_id,
-    _text,
-)
-from .errors import translate
+from .connection import NOW, PostgreSQLConnection, decoded, encoded, inherited, key_id, key_lock
+from .watchdog import CALL_TIMEOUT, WATCH_INTERVAL
 
 #: The value of ``?recipe=`` this module speaks.
 RECIPE = "advisory"
-#: Seconds between two looks at a key a foreign session holds: its unlock wakes nobody.
-FOREIGN_POLL = 0.1
+#: Seconds a waiter's place in PostgreSQL's queue is kept after its wait() returns, for
+#: its next step (its try, its next wait); then it is given up.
+KEEP_TURN = 1.0
+#: Milliseconds the server keeps a lock granted to a waiter that does not take it (its
+#: process stopped): the waiting session's ``idle_session_timeout``.
+TURN_IDLE_MS = 2000
+#: Milliseconds between the server's checks that a waiting session's client is still
+#: there (``client_connection_check_interval``): a waiter that died leaves the queue.
+CLIENT_CHECK_MS = 1000
 #: Idle lock sessions a process keeps for its next leases.
 POOL_SIZE = 2
 #: PostgreSQL 14 brought ``idle_session_timeout``, which ends a lost holder's session.
@@ -99,45 +77,60 @@ FOREIGN = "a PostgreSQL session advisory lock"
 def lock_id(key: str) -> int:
     """The advisory lock number of ``key``: the first 8 bytes of the MD5 of its UTF-8,
     big-endian, signed (what ``('x' || left(md5(key), 16))::bit(64)::bigint`` gives)."""
-    digest = hashlib.md5(_bytes(key), usedforsecurity=False).digest()
+    digest = hashlib.md5(encoded(key), usedforsecurity=False).digest()
     return int.from_bytes(digest[:8], "big", signed=True)
 
 
-#: The same number in SQL, of a key held as bytes (the store keeps keys as ``bytea``).
-_LOCK_ID_SQL = "('x' || left(md5({key}), 16))::bit(64)::bigint"
-
-# pg_locks shows a bigint advisory lock as classid (high 32 bits), objid (low 32 bits)
-# and objsubid 1 in the current database (lockfuncs.c, SET_LOCKTAG_INT64).
+# The sessions holding the advisory lock {lock}, each with what pg_stat_activity shows of
+# it. pg_locks shows a bigint advisory lock as classid (high 32 bits), objid (low 32 bits)
+# and objsubid 1 in the current database (lockfuncs.c, SET_LOCKTAG_INT64). A session is
+# its pid and its start: a pid outlives its session, and may be a foreign client's next.
 _LOCKS = """
-SELECT l.pid FROM pg_locks l
+SELECT l.pid, extract(epoch FROM a.backend_start)::float8 AS started, a.usename,
+       a.application_name, host(a.client_addr)
+FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
 WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted
   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
   AND ((l.classid::bigint << 32) | l.objid::bigint) = {lock}
 """
-# A row of ours is a live lease if it names a session that holds the key's lock, or, for
-# a lease of the store without the recipe (no "pg_backend"), while it has not expired.
-_SESSION_PID = "(r.holder::jsonb #>> '{{pg_backend,pid}}')::int"
+# The session a row ``r`` of ours names, if it is the recipe's: its pid and its start.
+_SESSION_PID = "(r.holder::jsonb #>> '{pg_backend,pid}')::int"
+_SESSION_STARTED = "(r.holder::jsonb #>> '{pg_backend,started}')::float8"
+# A row ``r`` of ours is a live lease if it names a session that holds the key's lock (the
+# same number in SQL, of the key held as bytes), or, for a lease of the store's own
+# layout (no "pg_backend"), while it has not expired.
+_HELD_BY_ROW = _LOCKS.format(lock="('x' || left(md5(r.key), 16))::bit(64)::bigint")
 _HELD = f"""
 (CASE WHEN r.holder::jsonb -> 'pg_backend' IS NULL THEN r.expires_at > clock_timestamp()
-      ELSE {_SESSION_PID} IN ({_LOCKS.format(lock=_LOCK_ID_SQL.format(key="r.key"))}) END)
+      ELSE ({_SESSION_PID}, {_SESSION_STARTED}) IN (SELECT pid, started FROM ({_HELD_BY_ROW}) s)
+ END)
 """
+# What the statements below name, besides the tables.
+_NAMES = {
+    "now": NOW,
+    "session_pid": _SESSION_PID,
+    "session_started": _SESSION_STARTED,
+    "held": _HELD,
+    "locks": _LOCKS.format(lock="%(lock)s"),
+}
 
 # After the key's transaction lock: now, whether a lease of the store's own layout holds
 # it, and its line.
-_STATE = f"""
-SELECT {_NOW},
-       EXISTS (SELECT FROM {{leases}} WHERE key_id = %(id)s AND expires_at > clock_timestamp()
+_STATE = """
+SELECT {now},
+       EXISTS (SELECT FROM {leases} WHERE key_id = %(id)s AND expires_at > clock_timestamp()
                AND holder::jsonb -> 'pg_backend' IS NULL),
-       (SELECT value FROM {{marks}} WHERE key_id = %(id)s AND kind = %(line)s
+       (SELECT value FROM {marks} WHERE key_id = %(id)s AND kind = %(line)s
         AND expires_at > clock_timestamp())
 """
 
-# Take the session lock; if taken: end the session ``idle`` ms after its last statement,
-# drop the key's rows (stale: their sessions no longer hold it), raise the fence, write
-# the row. Returns the fencing token, or no row when the lock is held.
+# Take the session lock (unless the session holds it already: a waiter's turn came); if
+# taken: end the session ``idle`` ms after its last statement, drop the key's rows (stale:
+# their sessions no longer hold it), raise the fence, write the row. Returns the fencing
+# token, or no row when the lock is held.
 _GRANT = """
 WITH got AS MATERIALIZED (
-    SELECT pg_try_advisory_lock(%(lock)s) AS ok
+    SELECT CASE WHEN %(held)s THEN true ELSE pg_try_advisory_lock(%(lock)s) END AS ok
 ), idle AS MATERIALIZED (
     SELECT set_config('idle_session_timeout', %(idle)s, false) FROM got WHERE ok
 ), stale AS (
@@ -164,8 +157,9 @@ WHERE key_id = %(id)s AND owner = %(owner)s
 RETURNING 1
 """
 
-# On the holder's session: unlock, stop the idle clock (the session goes back to the
-# pool), delete the row, wake our waiters. Returns whether the session held the lock.
+# On the holder's session (or a waiter's, refused its grant): unlock, stop the idle clock
+# (the session goes back to the pool), delete the row, wake our waiters. Returns whether
+# the session held the lock.
 _UNLOCK = """
 WITH gone AS (DELETE FROM {leases} WHERE key_id = %(id)s AND owner = %(owner)s)
 SELECT pg_advisory_unlock(%(lock)s), set_config('idle_session_timeout', '0', false),
@@ -175,24 +169,19 @@ SELECT pg_advisory_unlock(%(lock)s), set_config('idle_session_timeout', '0', fal
 # From any session: end the session a row of ours names, if it still holds the key's
 # lock (its holder died, or an operator frees the key), and delete the row. One row per
 # lease freed.
-_TERMINATE = f"""
+_TERMINATE = """
 WITH mine AS (
-    DELETE FROM {{leases}} r WHERE key_id = %(id)s AND owner = %(owner)s
-    RETURNING r.key, r.holder, r.expires_at, {_SESSION_PID} AS pid
+    DELETE FROM {leases} r WHERE key_id = %(id)s AND owner = %(owner)s
+    RETURNING r.expires_at, {session_pid} AS pid, {session_started} AS started
 )
 SELECT CASE WHEN r.pid IS NULL THEN r.expires_at > clock_timestamp()
             ELSE pg_terminate_backend(r.pid, %(wait)s) END,
        pg_notify(%(channel)s, %(payload)s)
 FROM mine r
-WHERE r.pid IS NULL OR r.pid IN ({_LOCKS.format(lock="%(lock)s")})
+WHERE r.pid IS NULL OR (r.pid, r.started) IN (SELECT pid, started FROM ({locks}) s)
 """
 
-# Who holds the key: every session holding its lock (with what pg_stat_activity shows of
-# it), and the key's rows.
-_LOCK_HOLDERS = f"""
-SELECT l.pid, a.usename, a.application_name, a.client_addr::text
-FROM ({_LOCKS.format(lock="%(lock)s")}) l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
-"""
+# The key's rows: with the sessions holding its lock (``_LOCKS``), who holds the key.
 _ROWS = """
 SELECT r.owner, r.fencing_token, extract(epoch FROM r.expires_at - clock_timestamp())::float8,
        r.holder, r.expires_at > clock_timestamp()
@@ -200,31 +189,12 @@ FROM {leases} r WHERE r.key_id = %(id)s
 ORDER BY r.fencing_token
 """
 
-_HOLDERS = f"""
+_HOLDERS = """
 SELECT r.key, r.owner, r.fencing_token,
        extract(epoch FROM r.expires_at - clock_timestamp())::float8, r.holder
-FROM {{leases}} r
-WHERE substring(r.key FROM 1 FOR %(length)s) = %(prefix)s AND {_HELD}
+FROM {leases} r
+WHERE substring(r.key FROM 1 FOR %(length)s) = %(prefix)s AND {held}
 ORDER BY r.key, r.fencing_token
-"""
-
-_WRITE_RECORD = f"""
-INSERT INTO {{records}} (key_id, name, value)
-SELECT %(id)s, %(name)s, %(value)s
-WHERE EXISTS (SELECT FROM {{leases}} r WHERE r.key_id = %(id)s AND r.owner = %(owner)s
-              AND {_HELD})
-ON CONFLICT (key_id, name) DO UPDATE SET value = excluded.value
-"""
-
-# wait(): now, the pid of the session holding the lock, the sessions our rows name,
-# whether a lease of the store's own layout holds the key, and the line.
-_FREE_FOR = f"""
-SELECT {_NOW}, ({_LOCKS.format(lock="%(lock)s")} LIMIT 1),
-       ARRAY(SELECT {_SESSION_PID} FROM {{leases}} r WHERE r.key_id = %(id)s),
-       EXISTS (SELECT FROM {{leases}} WHERE key_id = %(id)s AND expires_at > clock_timestamp()
-               AND holder::jsonb -> 'pg_backend' IS NULL),
-       (SELECT value FROM {{marks}} WHERE key_id = %(id)s AND kind = %(line)s
-        AND expires_at > clock_timestamp())
 """
 
 
@@ -242,29 +212,111 @@ class _Session:
             self.conn.close()
 
 
-class AdvisoryBackend(PostgreSQLBackend, recipe=True):
+class _Turn:
+    """A waiter's place in PostgreSQL's own queue for a key's lock: a session of its own
+    that asks ``pg_advisory_lock``, watched by a thread of its own.
+
+    It is kept from one wait() to the next (a wait lasts a third of the ttl at most,
+    a foreign hold may last longer) while the waiter asks for it, until :attr:`until`
+    (monotonic); then the request is cancelled. Once granted, the session holds the lock
+    for the waiter's next try_acquire (:meth:`take`), which makes it the lease; untaken
+    by :attr:`until`, it is closed, and the lock goes to the next in the queue.
+    """
+
+    def __init__(self, session: _Session, lock: int, until: float) -> None:
+        self.session = session
+        self.until = until
+        self.granted = False
+        #: Set once the request is answered: granted, or not (cancelled, lost).
+        self.answered = threading.Event()
+        self._taken = threading.Event()
+        self._guard = threading.Lock()
+        self._closed = False
+        thread = threading.Thread(target=self._run, args=(lock,), daemon=True)
+        thread.name = "celery-exclusive-pg-turn"
+        thread.start()
+
+    def _run(self, lock: int) -> None:
+        conn = self.session.conn
+        try:
+            conn.execute(
+                "SELECT set_config('idle_session_timeout', %s, false), "
+                "set_config('client_connection_check_interval', %s, false)",
+                (str(TURN_IDLE_MS), str(CLIENT_CHECK_MS)),
+            )
+            self.granted = self._ask(conn.pgconn, lock)
+        except (psycopg.Error, OSError):
+            pass
+        self.answered.set()
+        while self.granted and not self._taken.is_set() and time.monotonic() < self.until:
+            self._taken.wait(max(0.0, self.until - time.monotonic()))
+        self.give_up()
+
+    def _ask(self, pgconn: Any, lock: int) -> bool:
+        """``pg_advisory_lock`` sent without blocking: cancelled once :attr:`until`
+        passes, the connection dropped if even the cancel goes unanswered."""
+        pgconn.send_query_params(b"SELECT pg_advisory_lock($1)", [str(lock).encode()])
+        cancelled = False
+        while pgconn.is_busy():
+            now = time.monotonic()
+            if now > self.until + CALL_TIMEOUT:
+                return False  # the server answers nothing: the session is closed
+            if now > self.until and not cancelled:
+                cancelled = True
+                self.session.conn.cancel_safe(timeout=CALL_TIMEOUT)
+            select.select([pgconn.socket], [], [], WATCH_INTERVAL)
+            pgconn.consume_input()
+        results = []
+        while (result := pgconn.get_result()) is not None:
+            results.append(result)
+        return bool(results) and results[0].status == pq.ExecStatus.TUPLES_OK
+
+    @property
+    def live(self) -> bool:
+        """Still asking, or granted and neither taken nor given up."""
+        return not self._closed and (self.granted or not self.answered.is_set())
+
+    def take(self) -> Optional[_Session]:
+        """The session holding the lock, for the waiter's try_acquire; None if not
+        granted (yet), or given up."""
+        with self._guard:
+            if not self.granted or self._closed:
+                return None
+            self._taken.set()
+            return self.session
+
+    def give_up(self) -> None:
+        """Leave the queue, or let the granted lock go, unless it was taken."""
+        self.until = 0.0
+        with self._guard:
+            if not self._taken.is_set() and self.answered.is_set() and not self._closed:
+                self._closed = True
+                self.session.close()
+
+
+class AdvisoryBackend(Backend):
     """The PostgreSQL store speaking session advisory locks (see the module docstring)."""
 
+    recipe = RECIPE
     #: One holder per key, as the recipe has.
-    capabilities = replace(PostgreSQLBackend.capabilities, limits=False)
+    capabilities = Capabilities(records=True, marks=True)
+    connection_class = PostgreSQLConnection
+    connection: PostgreSQLConnection
 
     def __init__(self, url: str) -> None:
         super().__init__(url)
-        self._sql.update(
+        self._sql = self.connection.statements(
             {
-                name: text.format(**self.tables)
-                for name, text in {
-                    "recipe state": _STATE,
-                    "recipe grant": _GRANT,
-                    "recipe renew": _RENEW,
-                    "recipe unlock": _UNLOCK,
-                    "recipe terminate": _TERMINATE,
-                    "recipe rows": _ROWS,
-                    "recipe holders": _HOLDERS,
-                    "recipe free for": _FREE_FOR,
-                    "write_record": _WRITE_RECORD,
-                }.items()
-            }
+                "state": _STATE,
+                "grant": _GRANT,
+                "renew": _RENEW,
+                "unlock": _UNLOCK,
+                "terminate": _TERMINATE,
+                "lock holders": "{locks}",
+                "rows": _ROWS,
+                "holders": _HOLDERS,
+            },
+            **_NAMES,
         )
         self._sessions_lock = threading.Lock()
         self._sessions_pid = os.getpid()
@@ -272,6 +324,8 @@ class AdvisoryBackend(PostgreSQLBackend, recipe=True):
         self._held: dict[str, _Session] = {}
         #: sessions that hold nothing, kept for the next grants (at most POOL_SIZE)
         self._idle: list[_Session] = []
+        #: (key, claimant) -> its waiter's place in PostgreSQL's queue for the key's lock
+        self._turns: dict[tuple[str, Optional[str]], _Turn] = {}
 
     # --- sessions ---------------------------------------------------------------------
 
@@ -279,8 +333,10 @@ class AdvisoryBackend(PostgreSQLBackend, recipe=True):
         """In a forked child: the parent's sessions are the parent's. Never use or close
         them (closing ends the parent's sessions and frees its locks)."""
         if self._sessions_pid != os.getpid():
-            _inherited.extend(s.conn for s in [*self._held.values(), *self._idle])
-            self._held, self._idle, self._sessions_pid = {}, [], os.getpid()
+            turns = [turn.session for turn in self._turns.values()]
+            inherited.extend(s.conn for s in [*self._held.values(), *self._idle, *turns])
+            self._held, self._idle, self._turns = {}, [], {}
+            self._sessions_pid = os.getpid()
 
     def _take_session(self) -> tuple[_Session, bool]:
         """An idle session (True: from the pool) or a new one (False)."""
@@ -291,12 +347,14 @@ class AdvisoryBackend(PostgreSQLBackend, recipe=True):
         return self._open_session(), False
 
     def _open_session(self) -> _Session:
-        self._run("preparing the tables", lambda conn: None, txn=False)  # creates them
+        self.connection.call("preparing the tables", lambda conn: None, txn=False)  # makes them
         action = "opening a session for a lease"
         try:
-            conn = psycopg.connect(self.settings.conninfo, autocommit=True, prepare_threshold=None)
+            conn = psycopg.connect(
+                self.connection.settings.conninfo, autocommit=True, prepare_threshold=None
+            )
         except (psycopg.Error, OSError) as exc:
-            raise translate(exc, action, self) from None
+            raise self.connection.translate(exc, action) from None
         try:
             if conn.info.server_version < MIN_SERVER_VERSION:
                 raise ConfigurationError(
@@ -312,7 +370,7 @@ class AdvisoryBackend(PostgreSQLBackend, recipe=True):
             ).fetchone()
         except (psycopg.Error, OSError) as exc:
             conn.close()
-            raise translate(exc, action, self) from None
+            raise self.connection.translate(exc, action) from None
         except BaseException:
             conn.close()
             raise
@@ -350,18 +408,14 @@ class AdvisoryBackend(PostgreSQLBackend, recipe=True):
         limit: int = 1,
         holder: Optional[Mapping[str, Any]] = None,
         claimant: Optional[str] = None,
+        read: Optional[MarkRead] = None,
     ) -> Optional[Lease]:
-        if limit != 1:
-            raise ConfigurationError(
-                f"{self.safe_url} speaks PostgreSQL's session advisory locks "
-                f"(?recipe={RECIPE}), which have one holder per key, but {key!r} was asked "
-                f"for with exclusive_limit={limit}: use a store URL without ?recipe= for "
-                "limits."
-            )
+        taken = self._take_turn(key, claimant)  # holds the lock: the waiter's turn came
         for attempt in (1, 2):
-            session, pooled = self._take_session()
+            held = taken is not None and attempt == 1
+            session, pooled = (taken, True) if held and taken else self._take_session()
             try:
-                token = self._grant(session, key, owner, ttl, holder, claimant)
+                token, value = self._grant(session, key, owner, ttl, holder, claimant, read, held)
             except (psycopg.Error, OSError) as exc:
                 # Whatever the statement did, the session may hold the lock now (a
                 # rollback keeps a session lock): end it, and the lock goes with it.
@@ -372,15 +426,23 @@ class AdvisoryBackend(PostgreSQLBackend, recipe=True):
                     # whose lock, if taken, is held by a dying session): try a new one. The
                     # lock itself never grants twice.
                     continue
-                raise translate(exc, f"acquiring {key!r}", self) from None
+                raise self.connection.translate(exc, f"acquiring {key!r}") from None
             except BaseException:
                 session.close()
                 raise
+            if read is not None:
+                read.value, read.done = value, True
             if token is None:
-                self._keep(session)
+                if held:  # the line or a lease of the store's own layout goes first
+                    self._unlock(session, Lease(key, owner, 0, ttl))
+                else:
+                    self._keep(session)
                 return None
             with self._sessions_lock:
                 self._held[owner] = session
+                turn = self._turns.pop((key, claimant), None)
+            if turn is not None:
+                turn.give_up()  # still queued: no longer needed
             return Lease(key, owner, token, ttl, 1)
         raise AssertionError("unreachable")
 
@@ -392,22 +454,29 @@ class AdvisoryBackend(PostgreSQLBackend, recipe=True):
         ttl: float,
         holder: Optional[Mapping[str, Any]],
         claimant: Optional[str],
-    ) -> Optional[int]:
-        """The grant on ``session``: the key's transaction lock, its state and line, then
-        the session lock and the row, in one transaction. The token, or None."""
-        key_id = _key_id(key)
+        read: Optional[MarkRead],
+        held: bool,
+    ) -> tuple[Optional[int], Optional[str]]:
+        """The grant on ``session`` (``held``: which holds the lock already): the key's
+        transaction lock, its state and line, then the session lock and the row, in one
+        transaction. The token (or None), and the mark ``read`` asks for, read after the
+        attempt."""
+        id_ = key_id(key)
         idle_ms = str(max(1, int(ttl * 1000)))
-        session_of = {"pid": session.pid, "started": session.started}
-        record = {**dict(holder or {}), "pg_backend": session_of}
+        record = {
+            **dict(holder or {}),
+            "pg_backend": {"pid": session.pid, "started": session.started},
+        }
         params = {
-            "id": key_id,
-            "key": _bytes(key),
+            "id": id_,
+            "key": encoded(key),
             "owner": owner,
             "ttl": ttl,
             "lock": lock_id(key),
             "idle": idle_ms,
             "holder": json.dumps(record),
             "line": LINE,
+            "held": held,
         }
         conn, token = session.conn, None
         with session.lock, conn.transaction():
@@ -416,25 +485,20 @@ class AdvisoryBackend(PostgreSQLBackend, recipe=True):
             conn.execute(
                 "SELECT set_config('idle_in_transaction_session_timeout', %s, true), "
                 "pg_advisory_xact_lock(%s)",
-                (idle_ms, _lock_id(key_id)),
+                (idle_ms, key_lock(id_)),
             )
-            now, plain_lease, line = conn.execute(self._sql["recipe state"], params).fetchone()
-            if plain_lease:
-                return None
-            line = _text(line)
+            now, plain_lease, line = conn.execute(self._sql["state"], params).fetchone()
+            line = decoded(line)
             admitted, rest = admit(line, claimant, 1, now)
-            if not admitted:
-                return None
-            if rest != line:  # the grant takes the claimant out of the line (if it grants)
-                if rest is None:
-                    conn.execute(self._sql["delete_mark"], {"id": key_id, "kind": LINE})
-                else:
-                    conn.execute(self._sql["set_line"], {**params, "value": _bytes(rest)})
-            row = conn.execute(self._sql["recipe grant"], params).fetchone()
-            if row is None:
-                raise psycopg.Rollback()  # held: the line stays as it was
-            token = row[0]
-        return token
+            if admitted and not plain_lease:
+                row = conn.execute(self._sql["grant"], params).fetchone()
+                if row is not None:  # the lock was free: the claimant leaves the line
+                    token = row[0]
+                    self.connection.take_from_line(conn, id_, line, rest)
+                    if rest is not None:  # the next in line takes its turn in the queue
+                        self.connection.wake(conn, id_)
+            value = None if read is None else self.connection.mark_in(conn, read.key, read.kind)
+        return token, value
 
     def renew(self, leases: Iterable[Lease]) -> set[Lease]:
         lost = set()
@@ -443,13 +507,13 @@ class AdvisoryBackend(PostgreSQLBackend, recipe=True):
             if session is None:
                 lost.add(lease)
                 continue
-            params = {"id": _key_id(lease.key), "owner": lease.owner, "ttl": lease.ttl}
+            params = {"id": key_id(lease.key), "owner": lease.owner, "ttl": lease.ttl}
             try:
                 with session.lock:
-                    kept = session.conn.execute(self._sql["recipe renew"], params).fetchone()
+                    kept = session.conn.execute(self._sql["renew"], params).fetchone()
             except (psycopg.Error, OSError) as exc:
                 if not (session.conn.broken or session.conn.closed):
-                    raise translate(exc, f"renewing {lease.key!r}", self) from None
+                    raise self.connection.translate(exc, f"renewing {lease.key!r}") from None
                 # The session is gone, and its lock with it: nothing can bring it back.
                 self._let_go(lease.owner)
                 session.close()
@@ -459,24 +523,30 @@ class AdvisoryBackend(PostgreSQLBackend, recipe=True):
                 lost.add(lease)
         return lost
 
-    def release(self, lease: Lease) -> bool:
+    def release(self, lease: Lease, end: End = NO_END) -> Optional[bool]:
+        if end != NO_END:
+            return super().release(lease, end)  # the mark swapped first, then this
         session = self._let_go(lease.owner)
         if session is None:
             return self._terminate(lease)
-        key_id = _key_id(lease.key)
+        return self._unlock(session, lease)
+
+    def _unlock(self, session: _Session, lease: Lease) -> bool:
+        """Unlock ``lease.key`` on ``session``, which holds it, and keep the session."""
+        id_ = key_id(lease.key)
         params = {
-            "id": key_id,
+            "id": id_,
             "owner": lease.owner,
             "lock": lock_id(lease.key),
-            **self._notify_args(key_id),
+            **self.connection.notify_args(id_),
         }
         try:
             with session.lock:
-                unlocked = session.conn.execute(self._sql["recipe unlock"], params).fetchone()[0]
+                unlocked = session.conn.execute(self._sql["unlock"], params).fetchone()[0]
         except (psycopg.Error, OSError) as exc:
             session.close()
             if not (session.conn.broken or session.conn.closed):
-                raise translate(exc, f"releasing {lease.key!r}", self) from None
+                raise self.connection.translate(exc, f"releasing {lease.key!r}") from None
             # The session is gone, or unusable: end it from another one if it lives on.
             return self._terminate(lease)
         if unlocked:
@@ -488,20 +558,20 @@ class AdvisoryBackend(PostgreSQLBackend, recipe=True):
     def _terminate(self, lease: Lease) -> bool:
         """Free ``lease`` from a session other than its own: end the session its row
         names if that still holds the key's lock, and delete the row."""
-        key_id = _key_id(lease.key)
+        id_ = key_id(lease.key)
         params = {
-            "id": key_id,
+            "id": id_,
             "owner": lease.owner,
             "lock": lock_id(lease.key),
             "wait": TERMINATE_WAIT_MS,
-            **self._notify_args(key_id),
+            **self.connection.notify_args(id_),
         }
 
         def terminate(conn: psycopg.Connection) -> bool:
-            return any(row[0] for row in conn.execute(self._sql["recipe terminate"], params))
+            return any(row[0] for row in conn.execute(self._sql["terminate"], params))
 
         try:
-            return self._call(f"releasing {lease.key!r}", terminate, txn=False)
+            return self.connection.call(f"releasing {lease.key!r}", terminate, txn=False)
         except ConfigurationError as exc:
             if "exclusive_* tables" not in str(exc) and "grant the role" not in str(exc):
                 raise
@@ -517,108 +587,133 @@ class AdvisoryBackend(PostgreSQLBackend, recipe=True):
         freed = 0
         for info in self.holders_of(key):
             if info.fencing_token is not None:
-                freed += self.release(Lease(key, info.owner, info.fencing_token, 1.0))
+                freed += bool(self.release(Lease(key, info.owner, info.fencing_token, 1.0)))
         return freed
 
     # --- waiting ----------------------------------------------------------------------
 
-    def _look(self, key: str, claimant: Optional[str]) -> tuple[bool, bool]:
-        """(free for ``claimant``, held by a foreign session)."""
-        key_id = _key_id(key)
-        params = {"id": key_id, "lock": lock_id(key), "line": LINE}
-
-        def read(conn: psycopg.Connection) -> tuple[bool, bool]:
-            now, pid, ours, plain, line = conn.execute(
-                self._sql["recipe free for"], params
-            ).fetchone()
-            if pid is not None or plain:
-                return False, pid is not None and pid not in (ours or [])
-            return first_in_line(_text(line), claimant, now), False
-
-        return self._call(f"reading {key!r}", read, txn=False)
-
     def wait(self, key: str, timeout: float, claimant: Optional[str] = None) -> None:
+        """Wait for ``claimant``'s turn in our line, then in PostgreSQL's own queue for the
+        key's lock (:class:`_Turn`), whose grant ``try_acquire`` takes next."""
         deadline = time.monotonic() + timeout
-        listener = self._listener_for_process() if self.settings.listen else None
-        delay = POLL_MIN
-        if listener is None:
-            while True:
-                free, foreign = self._look(key, claimant)
-                remaining = deadline - time.monotonic()
-                if free or remaining <= 0:
-                    return
-                time.sleep(min(remaining, FOREIGN_POLL if foreign else delay))
-                delay = min(delay * 2, POLL_MAX)
-        # Subscribed before the first look: a release of ours between the look and the
-        # sleep still sets the event. A foreign unlock sets nothing: look again soon.
-        with listener.subscribe(_key_id(key)) as released:
-            while True:
-                free, foreign = self._look(key, claimant)
-                remaining = deadline - time.monotonic()
-                if free or remaining <= 0:
-                    return
-                if foreign:
-                    pause = FOREIGN_POLL
-                elif listener.listening.is_set():
-                    pause = MAX_SILENCE
-                else:
-                    pause, delay = delay, min(delay * 2, POLL_MAX)
-                released.wait(min(remaining, pause))
-                released.clear()
+        turn = self._turn(key, claimant)
+        if turn is None:
+            id_ = key_id(key)
+            params = {"id": id_, "line": LINE}
+
+            # First in our line, and no lease of the store's own layout on the key.
+            def first(conn: psycopg.Connection) -> bool:
+                now, plain_lease, line = conn.execute(self._sql["state"], params).fetchone()
+                return not plain_lease and first_in_line(decoded(line), claimant, now)
+
+            def our_turn() -> bool:
+                return self.connection.call(f"reading {key!r}", first, txn=False)
+
+            if not self.connection.wait(id_, timeout, our_turn):
+                return
+            turn = self._queue(key, claimant, deadline + KEEP_TURN)
+        turn.until = max(turn.until, deadline + KEEP_TURN)
+        turn.answered.wait(max(0.0, deadline - time.monotonic()))
+
+    def _turn(self, key: str, claimant: Optional[str]) -> Optional[_Turn]:
+        """``claimant``'s place in the queue for ``key``'s lock, unless it was given up."""
+        with self._sessions_lock:
+            self._forked()
+            turn = self._turns.get((key, claimant))
+            if turn is not None and not turn.live:
+                del self._turns[(key, claimant)]
+                return None
+            return turn
+
+    def _take_turn(self, key: str, claimant: Optional[str]) -> Optional[_Session]:
+        """The session ``claimant``'s granted turn holds ``key``'s lock on, taken from it."""
+        with self._sessions_lock:
+            self._forked()
+            turn = self._turns.get((key, claimant))
+            session = None if turn is None else turn.take()
+            if session is not None:
+                del self._turns[(key, claimant)]
+            return session
+
+    def _queue(self, key: str, claimant: Optional[str], until: float) -> _Turn:
+        """Ask for ``key``'s lock on a session of its own, for ``claimant``."""
+        session, _ = self._take_session()
+        turn = _Turn(session, lock_id(key), until)
+        with self._sessions_lock:
+            self._turns[(key, claimant)] = turn
+        return turn
 
     # --- who holds what ---------------------------------------------------------------
 
     def holders_of(self, key: str) -> list[LeaseInfo]:
-        key_id = _key_id(key)
-        params = {"id": key_id, "lock": lock_id(key)}
+        id_ = key_id(key)
+        params = {"id": id_, "lock": lock_id(key)}
 
         # Under the key's transaction lock (shared): no grant is half-done meanwhile, so
         # a session that took the lock has its row.
         def read(conn: psycopg.Connection) -> list[LeaseInfo]:
-            conn.execute("SELECT pg_advisory_xact_lock_shared(%s)", (_lock_id(key_id),))
-            sessions = conn.execute(_LOCK_HOLDERS, params).fetchall()
-            rows = conn.execute(self._sql["recipe rows"], params).fetchall()
+            conn.execute("SELECT pg_advisory_xact_lock_shared(%s)", (key_lock(id_),))
+            sessions = conn.execute(self._sql["lock holders"], params).fetchall()
+            rows = conn.execute(self._sql["rows"], params).fetchall()
             return _described(key, sessions, rows)
 
-        return self._call(f"reading {key!r}", read)
+        return self.connection.call(f"reading {key!r}", read)
 
     def holders(self, prefix: str = "") -> list[LeaseInfo]:
         # Ours only: a foreign session's lock names a number, not a key.
-        encoded = _bytes(prefix)
-        params = {"length": len(encoded), "prefix": encoded}
+        encoded_prefix = encoded(prefix)
+        params = {"length": len(encoded_prefix), "prefix": encoded_prefix}
 
         def read(conn: psycopg.Connection) -> list[LeaseInfo]:
             return [
-                LeaseInfo(_text(key), owner, token, expires_in, _public(json.loads(holder)))
+                LeaseInfo(decoded(key), owner, token, expires_in, _public(json.loads(holder)))
                 for key, owner, token, expires_in, holder in conn.execute(
-                    self._sql["recipe holders"], params
+                    self._sql["holders"], params
                 )
             ]
 
-        return self._call(f"listing holders under {prefix!r}", read, txn=False)
+        return self.connection.call(f"listing holders under {prefix!r}", read, txn=False)
 
-    def holders_page(
-        self,
-        prefix: str = "",
-        cursor: Optional[str] = None,
-        count: int = 100,
-        kinds: Sequence[str] = (),
-    ) -> HoldersPage:
-        return Backend.holders_page(self, prefix, cursor, count, kinds)
+    # --- records and marks, the clock, the start-up check -----------------------------
+
+    def read_record(self, lease_key: str, name: str) -> Optional[str]:
+        return self.connection.read_record(lease_key, name)
+
+    def write_record(self, lease: Lease, name: str, value: str) -> bool:
+        return self.connection.write_record(lease, name, value, _HELD)
+
+    def read_mark(self, key: str, kind: str) -> Optional[str]:
+        return self.connection.read_mark(key, kind)
+
+    def swap_mark(
+        self, key: str, kind: str, expected: Optional[str], new: Optional[str], ttl: float
+    ) -> bool:
+        return self.connection.swap_mark(key, kind, expected, new, ttl)
+
+    def store_time(self) -> float:
+        return self.connection.store_time()
+
+    def check(self, probe_key: str) -> list[str]:
+        return super().check(probe_key) + self.connection.warnings()
 
     def close(self) -> None:
         with self._sessions_lock:
             sessions = [*self._held.values(), *self._idle]
             if self._sessions_pid == os.getpid():
+                for turn in self._turns.values():
+                    turn.give_up()
                 for session in sessions:
                     session.close()
-            self._held, self._idle = {}, []
+            self._held, self._idle, self._turns = {}, [], {}
         super().close()
 
 
-def _described(key: str, sessions: list, rows: list) -> list[LeaseInfo]:
-    """The holders of ``key`` from the sessions holding its lock and the key's rows."""
+def _described(key: str, sessions: list[Any], rows: list[Any]) -> list[LeaseInfo]:
+    """The holders of ``key`` from the sessions holding its lock and the key's rows: a
+    row of ours counts while the very session it names (pid and start) holds the lock;
+    a session no row names is a foreign holder."""
     infos, named = [], set()
+    holding = {(pid, started) for pid, started, *_ in sessions}
     for owner, token, expires_in, holder, live in rows:
         record = json.loads(holder)
         backend = record.get("pg_backend")
@@ -626,11 +721,12 @@ def _described(key: str, sessions: list, rows: list) -> list[LeaseInfo]:
             if live:  # a lease of the store's own layout
                 infos.append(LeaseInfo(key, owner, token, expires_in, record))
             continue
-        if any(pid == backend.get("pid") for pid, *_ in sessions):
-            named.add(backend.get("pid"))
+        session = (backend.get("pid"), backend.get("started"))
+        if session in holding:
+            named.add(session)
             infos.append(LeaseInfo(key, owner, token, expires_in, _public(record)))
-    for pid, user, application, client in sessions:
-        if pid in named:
+    for pid, started, user, application, client in sessions:
+        if (pid, started) in named:
             continue
         seen = [
             f"user {user}" if user else "",
@@ -646,7 +742,7 @@ def _described(key: str, sessions: list, rows: list) -> list[LeaseInfo]:
     return infos
 
 
-def _public(record: dict) -> dict:
+def _public(record: dict[str, Any]) -> dict[str, Any]:
     """The holder record as the store's other layouts keep it (without the session)."""
     return {name: value for name, value in record.items() if name != "pg_backend"}
 

@@ -22,8 +22,6 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from ...errors import ConfigurationError
 
 OPTIONS = ("schema", "pgbouncer", "listen", "recipe")
-#: ``?recipe=``: PostgreSQL's own lock the store can speak (recipe.py).
-RECIPES = ("advisory",)
 #: libpq parameters set unless the URL sets them: a dead server or network must never
 #: hang a worker (connect_timeout, tcp_user_timeout) and the server should see who we are.
 LIBPQ_DEFAULTS = {
@@ -41,8 +39,6 @@ class PostgreSQLSettings:
     schema: Optional[str] = None
     pgbouncer: bool = False
     listen: bool = True
-    #: ``advisory``: leases are session advisory locks on the key's number (recipe.py).
-    recipe: Optional[str] = None
 
 
 def settings_from_url(url: str) -> PostgreSQLSettings:
@@ -53,13 +49,7 @@ def settings_from_url(url: str) -> PostgreSQLSettings:
     present = {name for name, _ in libpq}
     libpq += [(name, value) for name, value in LIBPQ_DEFAULTS.items() if name not in present]
     pgbouncer = _flag(ours, "pgbouncer", False)
-    recipe = ours.get("recipe") or None
-    if recipe is not None and recipe not in RECIPES:
-        raise ConfigurationError(
-            f"exclusive_backend_url has recipe={recipe!r}; use advisory (PostgreSQL's "
-            "session advisory locks), or leave it out for the store's own tables."
-        )
-    if recipe is not None and pgbouncer:
+    if ours.get("recipe") and pgbouncer:
         raise ConfigurationError(
             "exclusive_backend_url has recipe=advisory and pgbouncer=1: a session advisory "
             "lock lives as long as the server session that took it, and PgBouncer in "
@@ -73,7 +63,6 @@ def settings_from_url(url: str) -> PostgreSQLSettings:
         schema=ours.get("schema") or None,
         pgbouncer=pgbouncer,
         listen=_flag(ours, "listen", not pgbouncer),
-        recipe=recipe,
     )
 
 

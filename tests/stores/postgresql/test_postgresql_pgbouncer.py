@@ -60,7 +60,7 @@ def test_without_pgbouncer_1_the_pooled_connection_is_named_as_the_problem(pgbou
 
 def test_wait_polls_through_pgbouncer_and_returns_after_the_release(stores):
     a, b = stores
-    assert a.settings.listen is False  # pgbouncer=1: nobody LISTENs, wait() polls
+    assert a.connection.settings.listen is False  # pgbouncer=1: nobody LISTENs, wait() polls
     lease = a.try_acquire("k", uuid.uuid4().hex, 10)
     threading.Timer(0.3, a.release, [lease]).start()
     started = time.monotonic()

@@ -12,7 +12,7 @@ workers: test_postgresql_recipe_workers.py.
 
 from __future__ import annotations
 
-import inspect
+import json
 import os
 import signal
 import subprocess
@@ -28,12 +28,10 @@ import pytest
 from celery_exclusive import ConfigurationError, ExclusiveLock, LockHeld, backend_for_url
 from celery_exclusive.backends import _load
 from celery_exclusive.backends.postgresql import recipe as advisory
+from celery_exclusive.backends.postgresql.connection import encoded, key_id
 from celery_exclusive.backends.postgresql.recipe import AdvisoryBackend, lock_id
 from celery_exclusive.core import outcomes, policies
 from celery_exclusive.core.config import Settings
-from tests.conftest import BackendCase
-from tests.contract import test_backend_contract as contract
-from tests.contract import test_line, test_lock, test_operators_view
 from tests.support.cluster import wait_until
 
 KEY = "exclusive:invoice:7"
@@ -139,25 +137,6 @@ def task_call(url: str, task_id: str, policy: str = "skip"):
     return policies.claim(settings, backend_for_url(url), KEY, "billing.settle", task_id)
 
 
-# --- the store's contract, but for limits: an advisory lock has one holder per key ---------
-
-
-@pytest.fixture
-def backend_case(recipe_url):
-    return BackendCase(recipe_url)
-
-
-backend = recipe_store
-store = test_lock.store
-marks = contract.marks
-settings = test_line.settings
-for _module in (contract, test_lock, test_line, test_operators_view):
-    for _name, _test in vars(_module).items():
-        if _name.startswith("test_") and "limit" not in inspect.getsource(_test):
-            globals()[f"{_name}_under_the_recipe"] = _test
-del _module, _name, _test
-
-
 # --- the documented lock number ----------------------------------------------------------
 
 
@@ -189,6 +168,54 @@ def test_a_psql_session_holding_the_lock_makes_a_task_call_skip_and_name_it(
     assert theirs.unlock(KEY)  # ours never unlocked it
 
 
+def test_a_foreign_session_is_named_by_its_pid_user_application_and_address(
+    postgres_server, recipe_store
+):
+    with psycopg.connect(
+        postgres_server.url, autocommit=True, application_name="nightly-report"
+    ) as theirs:
+        theirs.execute(f"SELECT pg_advisory_lock({lock_sql(KEY)})")
+        [info] = recipe_store.holders_of(KEY)
+        pid = theirs.info.backend_pid
+    assert (info.owner, info.fencing_token) == (f"pg_backend:{pid}", None)
+    assert info.holder == {
+        "foreign": f"a PostgreSQL session advisory lock on {lock_id(KEY)} held by backend "
+        f"{pid} (user postgres, application 'nightly-report', from 127.0.0.1)"
+    }
+
+
+def left_behind(store, key: str, pid: int) -> None:
+    """A row of ours naming the session ``pid`` of another start: what a session of ours
+    that held ``key`` and ended leaves until the next grant, its pid free for the next."""
+    record = json.dumps({"task": "gone", "pg_backend": {"pid": pid, "started": 1.0}})
+    store.connection.call(
+        "leaving a row behind",
+        lambda conn: conn.execute(
+            f"INSERT INTO {store.connection.tables['leases']} VALUES "
+            "(%s, 'gone', %s, 1, 1, clock_timestamp() + interval '1 hour', %s)",
+            (key_id(key), encoded(key), record),
+        ),
+    )
+
+
+def test_a_foreign_session_with_the_pid_a_row_of_ours_names_stays_foreign_and_untouched(
+    recipe_store, psql
+):
+    theirs = psql()
+    theirs.lock(KEY)
+    left_behind(recipe_store, KEY, theirs.pid)
+    [info] = recipe_store.holders_of(KEY)
+    assert info.fencing_token is None
+    assert (
+        f"held by backend {theirs.pid} (user postgres, application 'psql'"
+        in (info.holder["foreign"])
+    )
+    assert recipe_store.holders("exclusive:") == []
+    assert recipe_store.force_release(KEY) == 0
+    assert theirs.run("SELECT 1") == "1"  # its session lives on, never terminated
+    assert theirs.unlock(KEY)
+
+
 def test_a_waiting_lock_takes_the_key_as_soon_as_psql_unlocks(recipe_url, recipe_store, psql):
     theirs = psql()
     theirs.lock(KEY)
@@ -211,6 +238,151 @@ def test_a_foreign_session_that_ends_frees_the_key_for_our_waiters(recipe_url, r
     threading.Timer(0.5, theirs.close).start()  # psql exits: its session ends
     with ExclusiveLock(KEY, recipe_url, wait=20) as lease:
         assert lease.fencing_token > 0
+
+
+# --- a waiter takes its turn in PostgreSQL's own queue -----------------------------------
+
+#: How long each foreign re-locker holds the key before it unlocks and locks it again.
+HOLD = 0.3
+
+
+class Relockers:
+    """Foreign clients taking one key back to back, each in a loop: ``pg_advisory_lock``,
+    hold ``hold`` seconds, ``pg_advisory_unlock``, lock again at once. Two are psycopg
+    sessions, one a ``psql`` session; each hold is noted as (client, start, end)."""
+
+    def __init__(self, server, psql, key: str, hold: float = HOLD) -> None:
+        self.key, self.hold, self.holds, self.stop = key, hold, [], threading.Event()
+        self.connections = [
+            psycopg.connect(server.url, autocommit=True, application_name="relocker")
+            for _ in range(2)
+        ]
+        clients = [self._psycopg_client(conn) for conn in self.connections]
+        clients.append(self._psql_client(psql()))
+        self.threads = [
+            threading.Thread(target=self._relock, args=(number, *client))
+            for number, client in enumerate(clients)
+        ]
+
+    def _psycopg_client(self, conn: psycopg.Connection):
+        lock, unlock = (
+            f"SELECT pg_advisory_{verb}({lock_sql(self.key)})" for verb in ("lock", "unlock")
+        )
+        return lambda: conn.execute(lock), lambda: conn.execute(unlock)
+
+    def _psql_client(self, session: Psql):
+        return lambda: session.lock(self.key), lambda: session.unlock(self.key)
+
+    def _relock(self, client: int, lock, unlock) -> None:
+        while not self.stop.is_set():
+            lock()
+            start = time.time()
+            time.sleep(self.hold)
+            self.holds.append((client, start, time.time()))
+            unlock()
+
+    def __enter__(self) -> Relockers:
+        for thread in self.threads:
+            thread.start()
+        # Cycling: one holds, the others wait in PostgreSQL's queue for it.
+        assert wait_until(lambda: len(self.holds) >= len(self.threads), timeout=10)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(10)
+        for conn in self.connections:
+            conn.close()
+
+    def served_in_turn(self, asked: float, granted: float) -> None:
+        """Assert that a waiter that asked at ``asked`` and was granted at ``granted`` took
+        its turn: no re-locker went twice meanwhile (each was queued ahead of it at most
+        once), and it was granted as the one ahead of it let go, not a poll later."""
+        went = [client for client, start, _ in self.holds if asked < start < granted]
+        assert all(went.count(client) <= 1 for client in went), f"went first: {went}"
+        let_go = max(end for _, _, end in self.holds if end <= granted)
+        assert granted - let_go < self.hold, "granted a whole foreign hold after its turn came"
+
+
+def test_a_waiting_lock_takes_its_turn_among_foreign_clients_relocking_back_to_back(
+    postgres_server, recipe_url, psql
+):
+    with Relockers(postgres_server, psql, KEY) as relockers:
+        asked = time.time()
+        with ExclusiveLock(KEY, recipe_url, wait=9):
+            granted = time.time()
+            time.sleep(HOLD)
+            released = time.time()
+        relockers.served_in_turn(asked, granted)
+    assert all(end <= granted or start >= released for _, start, end in relockers.holds)
+
+
+def waiting_for(psql_session: Psql, key: str) -> int:
+    """How many sessions wait in PostgreSQL's queue for ``key``'s lock."""
+    return int(
+        psql_session.run(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+            f"AND ((classid::bigint << 32) | objid::bigint) = {lock_sql(key)}"
+        )
+    )
+
+
+def test_a_waiting_lock_that_gives_up_leaves_postgresql_s_queue(recipe_url, recipe_store, psql):
+    theirs = psql()
+    theirs.lock(KEY)
+    with pytest.raises(LockHeld), ExclusiveLock(KEY, recipe_url, wait=0.5):
+        pytest.fail("the block ran beside psql's lock")
+    assert wait_until(lambda: waiting_for(theirs, KEY) == 0, timeout=advisory.KEEP_TURN + 2)
+    assert theirs.unlock(KEY)
+    assert psql().try_lock(KEY)  # nobody of ours was granted it meanwhile
+
+
+WAITER = textwrap.dedent(
+    """
+    import sys, time
+    from celery_exclusive.backends import backend_for_url
+    backend_for_url(sys.argv[1]).wait(sys.argv[2], 60, "a waiter")
+    print("its turn came", flush=True)
+    time.sleep(3600)
+    """
+)
+
+
+@pytest.fixture
+def waiter_in_the_queue(recipe_url, recipe_store, psql):
+    """A process of its own waiting for KEY (held by the psql session it yields) in
+    PostgreSQL's queue."""
+    theirs = psql()
+    theirs.lock(KEY)
+    process = subprocess.Popen(
+        [sys.executable, "-c", WAITER, recipe_url, KEY], stdout=subprocess.PIPE, text=True
+    )
+    assert wait_until(lambda: waiting_for(theirs, KEY) == 1, timeout=10)
+    yield process, theirs
+    process.send_signal(signal.SIGCONT)
+    process.kill()
+    process.wait(10)
+
+
+def test_a_waiter_that_died_leaves_postgresql_s_queue(waiter_in_the_queue):
+    process, theirs = waiter_in_the_queue
+    process.kill()
+    killed = time.monotonic()
+    assert wait_until(lambda: waiting_for(theirs, KEY) == 0, timeout=10)
+    assert time.monotonic() - killed < 3  # checked every second, while psql still holds
+
+
+def test_a_lock_granted_to_a_waiter_that_stopped_is_let_go_by_the_server(waiter_in_the_queue, psql):
+    process, theirs = waiter_in_the_queue
+    assert theirs.unlock(KEY)
+    assert process.stdout.readline() == "its turn came\n"
+    process.send_signal(signal.SIGSTOP)
+    stopped = time.monotonic()
+    other = psql()
+    assert other.try_lock(KEY) is False  # granted to the waiter, which never takes it
+    assert wait_until(lambda: other.try_lock(KEY), timeout=10)
+    assert time.monotonic() - stopped < advisory.TURN_IDLE_MS / 1000 + 1.5
 
 
 # --- our holder ---------------------------------------------------------------------------
@@ -363,9 +535,10 @@ def test_leases_with_and_without_the_recipe_on_one_schema_exclude_each_other(
 # --- what the recipe refuses --------------------------------------------------------------
 
 
-def test_a_limit_is_refused_naming_the_fix(recipe_store):
-    with pytest.raises(ConfigurationError, match="one holder per key.*without \\?recipe="):
-        recipe_store.try_acquire(KEY, owner(), 10, limit=2)
+def test_a_limit_is_refused_naming_the_fix(recipe_url, recipe_store):
+    refused = pytest.raises(ConfigurationError, match="does not offer limits.*exclusive_limit > 1")
+    with refused, ExclusiveLock(KEY, recipe_url, limit=2):
+        pytest.fail("the block ran with a limit the recipe cannot keep")
 
 
 def test_pgbouncer_transaction_pooling_is_refused_saying_why(postgres_server):
@@ -374,7 +547,7 @@ def test_pgbouncer_transaction_pooling_is_refused_saying_why(postgres_server):
 
 
 def test_an_unknown_recipe_is_refused_naming_the_one_there_is(postgres_server):
-    with pytest.raises(ConfigurationError, match="use advisory"):
+    with pytest.raises(ConfigurationError, match="its recipes: advisory"):
         _load(f"{postgres_server.url}?recipe=session")
 
 

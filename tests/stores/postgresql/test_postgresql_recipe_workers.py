@@ -14,7 +14,7 @@ import uuid
 import pytest
 
 from celery_exclusive import DuplicateSkipped
-from tests.stores.postgresql.test_postgresql_recipe import Psql, lock_sql
+from tests.stores.postgresql.test_postgresql_recipe import Psql, Relockers, lock_sql
 from tests.support.apps import ledger as ledger_app
 from tests.support.cluster import Stack, start_holding, wait_until
 from tests.support.workers import overlaps, read_ledger
@@ -64,6 +64,18 @@ def test_a_waiting_task_runs_as_soon_as_psql_unlocks(cluster, psql):
     assert theirs.unlock("exclusive:p2")
     entry = result.get(timeout=30)
     assert unlocked_at <= entry["start"] < unlocked_at + 1.0
+
+
+def test_a_waiting_task_takes_its_turn_among_foreign_clients_relocking_back_to_back(
+    cluster, postgres_server, psql
+):
+    """Each foreign hold outlasts the task's waits (a third of its 2 s ttl): it keeps its
+    place in PostgreSQL's queue from one to the next."""
+    with Relockers(postgres_server, psql, "exclusive:p8", hold=1.0) as relockers:
+        sent = time.time()
+        entry = ledger_app.hold_wait.delay("p8", 0.2).get(timeout=30)
+    relockers.served_in_turn(sent, entry["start"])
+    assert all(end <= entry["start"] or start >= entry["end"] for _, start, end in relockers.holds)
 
 
 def test_a_requeued_task_runs_after_psql_unlocks(cluster, psql):

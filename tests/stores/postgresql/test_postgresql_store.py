@@ -100,7 +100,7 @@ def test_tokens_keep_rising_when_the_fence_counters_are_lost(store, schema, post
 def test_wait_is_woken_by_the_release_notification_not_by_polling(store, monkeypatch):
     store.try_acquire("free", uuid.uuid4().hex, 10)
     store.wait("free", timeout=0.05)  # starts this process's LISTENing connection
-    assert store._listener.listening.wait(5)
+    assert store.connection._listener.listening.wait(5)
     lease = store.try_acquire("k", uuid.uuid4().hex, 10)
     reads = []
     free_for = store._free_for
