@@ -21,6 +21,12 @@ def owner() -> str:
     return uuid.uuid4().hex
 
 
+def needs(store, capability: str) -> None:
+    """Skip a test of what ``store`` does not declare in its capabilities."""
+    if not getattr(store.capabilities, capability):
+        pytest.skip(f"{type(store).__name__} does not declare {capability}")
+
+
 def test_a_free_key_is_granted_with_a_fencing_token(backend):
     lease = backend.try_acquire("k", owner(), 10)
     assert lease is not None
@@ -92,6 +98,7 @@ def test_renewing_a_released_lease_does_not_revive_it(backend):
 
 
 def test_a_limit_admits_that_many_holders_and_no_more(backend):
+    needs(backend, "limits")
     leases = [backend.try_acquire("k", owner(), 10, limit=3) for _ in range(3)]
     assert all(leases)
     assert len({lease.fencing_token for lease in leases}) == 3
@@ -99,6 +106,7 @@ def test_a_limit_admits_that_many_holders_and_no_more(backend):
 
 
 def test_releasing_one_holder_of_a_limit_frees_one_slot(backend):
+    needs(backend, "limits")
     leases = [backend.try_acquire("k", owner(), 10, limit=2) for _ in range(2)]
     backend.release(leases[0])
     assert backend.try_acquire("k", owner(), 10, limit=2) is not None
@@ -106,6 +114,7 @@ def test_releasing_one_holder_of_a_limit_frees_one_slot(backend):
 
 
 def test_an_expired_holder_of_a_limit_frees_its_slot(backend, backend_case):
+    needs(backend, "limits")
     ttl = backend_case.short_ttl
     backend.try_acquire("k", owner(), ttl, limit=2)
     backend.try_acquire("k", owner(), 30, limit=2)
@@ -114,6 +123,7 @@ def test_an_expired_holder_of_a_limit_frees_its_slot(backend, backend_case):
 
 
 def test_renewal_keeps_a_limit_slot(backend, backend_case):
+    needs(backend, "limits")
     ttl = backend_case.short_ttl
     lease = backend.try_acquire("k", owner(), ttl, limit=2)
     backend.try_acquire("k", owner(), 30, limit=2)
@@ -125,6 +135,7 @@ def test_renewal_keeps_a_limit_slot(backend, backend_case):
 
 @pytest.mark.parametrize("first, second", [(1, 2), (2, 1), (2, 3)])
 def test_contenders_disagreeing_on_the_limit_get_a_configuration_error(backend, first, second):
+    needs(backend, "limits")
     backend.try_acquire("k", owner(), 10, limit=first)
     with pytest.raises(ConfigurationError, match="exclusive_limit"):
         backend.try_acquire("k", owner(), 10, limit=second)
@@ -160,11 +171,13 @@ def test_holders_describe_each_live_lease(backend):
 
 
 def test_holders_list_every_holder_of_a_limit(backend):
+    needs(backend, "limits")
     tokens = {backend.try_acquire("k", owner(), 10, limit=2).fencing_token for _ in range(2)}
     assert {info.fencing_token for info in backend.holders("k")} == tokens
 
 
 def test_force_release_frees_a_key_whoever_holds_it(backend):
+    needs(backend, "limits")
     backend.try_acquire("k", owner(), 10, limit=2)
     backend.try_acquire("k", owner(), 10, limit=2)
     assert backend.force_release("k") == 2
@@ -225,6 +238,7 @@ def test_a_former_holder_cannot_overwrite_the_new_holders_record(backend):
 
 
 def test_a_holder_of_a_limit_can_write_a_record(backend):
+    needs(backend, "limits")
     lease = backend.try_acquire("k", owner(), 10, limit=2)
     assert backend.write_record(lease, "last", "v") is True
     assert backend.read_record("k", "last") == "v"
@@ -259,8 +273,7 @@ def test_concurrent_writers_with_and_without_the_lease_leave_only_the_holders_va
 
 @pytest.fixture
 def marks(backend):
-    if not backend.capabilities.marks:
-        pytest.skip(f"{type(backend).__name__} does not store marks")
+    needs(backend, "marks")
     return backend
 
 
@@ -356,6 +369,7 @@ def test_setting_the_mark_and_releasing_swaps_from_the_expected_value(marks):
 
 
 def test_setting_the_mark_and_releasing_frees_one_slot_of_a_limit(marks):
+    needs(marks, "limits")
     first = marks.try_acquire("k", owner(), 10, 2)
     grant, value = with_mark(marks, "k", owner(), 10, 2, None, None, ("m", "x"))
     assert first is not None and grant is not None and value is None
@@ -430,6 +444,7 @@ def test_a_refused_grant_leaves_the_line_as_it_was(marks):
 
 
 def test_a_semaphore_admits_as_many_of_the_line_as_it_has_free_slots(marks):
+    needs(marks, "limits")
     marks.try_acquire("k", owner(), 10, limit=3)
     stand_in_line(marks, "k", "a", "b", "c")
     assert marks.try_acquire("k", owner(), 10, limit=3, claimant="c") is None
@@ -440,6 +455,7 @@ def test_a_semaphore_admits_as_many_of_the_line_as_it_has_free_slots(marks):
 
 
 def test_a_newcomer_gets_a_slot_only_when_there_are_more_slots_than_waiters(marks):
+    needs(marks, "limits")
     stand_in_line(marks, "k", "a")
     assert marks.try_acquire("k", owner(), 10, limit=2) is not None
     assert marks.try_acquire("k", owner(), 10, limit=2) is None
@@ -564,6 +580,7 @@ def test_any_key_is_granted_listed_and_freed_exactly(backend, key):
 
 @pytest.mark.parametrize("key", [k for k in HOSTILE_KEYS if k.startswith("k:~")], ids=repr)
 def test_a_key_named_like_an_internal_entry_is_an_ordinary_key(marks, key):
+    needs(marks, "limits")
     stand_in_line(marks, "k", "first")
     lease = marks.try_acquire(key, owner(), 10, limit=2)
     assert lease is not None

@@ -16,6 +16,7 @@ from celery_exclusive.backends import Backend
 from celery_exclusive.backends.line import LINE
 from celery_exclusive.core.feed import append_events, read_events
 from celery_exclusive.errors import ConfigurationError
+from tests.contract.test_backend_contract import needs
 
 
 def owner() -> str:
@@ -58,6 +59,7 @@ def test_a_page_holds_about_as_many_keys_as_asked_for(backend):
 
 
 def test_a_page_gives_each_key_with_all_its_holders(backend):
+    needs(backend, "limits")
     leases = [backend.try_acquire("app:sem", owner(), 30, limit=3) for _ in range(2)]
     backend.try_acquire("app:mutex", owner(), 30, holder={"task_id": "t-1"})
     [page] = every_page(backend, "app:", 100)

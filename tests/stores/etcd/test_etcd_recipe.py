@@ -8,7 +8,6 @@ both ways, with Debian's ``etcdctl lock`` (etcd-client 3.4) as the foreign clien
 
 from __future__ import annotations
 
-import inspect
 import os
 import signal
 import subprocess
@@ -23,8 +22,7 @@ from celery_exclusive.backends import _load
 from celery_exclusive.backends.etcd.recipe import MutexBackend
 from celery_exclusive.core import outcomes, policies
 from celery_exclusive.core.config import Settings
-from tests.conftest import BackendCase
-from tests.contract import test_backend_contract as contract
+from celery_exclusive.core.lease import acquire
 from tests.support.cluster import wait_until
 
 KEY = "exclusive:invoice:7"
@@ -90,22 +88,6 @@ def held_by_foreign(store, key: str) -> bool:
 def task_call(url: str, task_id: str):
     settings = Settings(backend_url=url, lease_ttl=10.0)
     return policies.claim(settings, backend_for_url(url), KEY, "billing.settle", task_id)
-
-
-# --- the store's contract, but for limits: the mutex has one holder per key -------------
-
-
-@pytest.fixture
-def backend_case(recipe_url):
-    return BackendCase(recipe_url, short_ttl=1.0)
-
-
-backend = store
-marks = contract.marks
-for _name, _test in vars(contract).items():
-    if _name.startswith("test_") and "limit" not in inspect.getsource(_test):
-        globals()[f"{_name}_under_the_recipe"] = _test
-del _name, _test
 
 
 # --- a foreign holder -------------------------------------------------------------------
@@ -188,7 +170,7 @@ def test_our_line_and_marks_live_apart_from_the_mutex_prefix(etcd_server, store,
     assert store.swap_mark(KEY, "line", None, "[]", 10)
     import requests
 
-    from celery_exclusive.backends.etcd.client import b64, unb64
+    from celery_exclusive.backends.etcd.kv import b64, unb64
 
     prefix = f"{root}/{KEY}/".encode()
     end = prefix[:-1] + bytes([prefix[-1] + 1])
@@ -202,14 +184,14 @@ def test_our_line_and_marks_live_apart_from_the_mutex_prefix(etcd_server, store,
 
 
 def test_a_limit_and_a_key_naming_the_store_s_own_entries_are_refused(store):
-    with pytest.raises(ConfigurationError, match="one holder per key"):
-        store.try_acquire(KEY, owner(), 10, limit=2)
+    with pytest.raises(ConfigurationError, match="does not offer limits"):
+        acquire(store, KEY, 10, limit=2)
     with pytest.raises(ConfigurationError, match="not start with '.celery-exclusive/'"):
         store.try_acquire(".celery-exclusive/k/x", owner(), 10)
 
 
 def test_an_unknown_recipe_is_refused_naming_the_one_there_is(etcd_server):
-    with pytest.raises(ConfigurationError, match="use mutex"):
+    with pytest.raises(ConfigurationError, match="its recipes: mutex"):
         _load(f"{etcd_server.url}/x?recipe=lease")
 
 
