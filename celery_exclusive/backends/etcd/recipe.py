@@ -227,9 +227,11 @@ class MutexBackend(Backend):
         if kv.owner_of(first) is not None:
             return self.connection.holders([(key, first)], action)
         name = kv.unb64(first["key"]).decode("utf-8", "replace")
+        lease = first.get("lease")  # etcd's lease ids as etcdctl and the mutex write them
+        on = f" on the etcd lease {int(lease):x}" if lease else " on no etcd lease"
         waiting = f", {len(queue) - 1} more in its line" if len(queue) > 1 else ""
-        described = {"foreign": f"{FOREIGN} with the key {name!r}{waiting}"}
-        expires_in, _ = self.connection.time_to_live(first.get("lease"), action)
+        described = {"foreign": f"{FOREIGN} with the key {name!r}{on}{waiting}"}
+        expires_in, _ = self.connection.time_to_live(lease, action)
         return [LeaseInfo(key, name, None, expires_in, described)]
 
     def holders(self, prefix: str = "") -> list[LeaseInfo]:

@@ -147,6 +147,15 @@ def test_an_etcdctl_lock_held_makes_a_task_call_skip_and_name_it(recipe_url, sto
         pytest.fail("the block ran beside etcdctl lock")
 
 
+def test_a_foreign_holder_is_named_by_its_key_and_its_etcd_lease(store, root, etcdctl, etcd_server):
+    etcdctl.lock(f"{root}/{KEY}")
+    assert wait_until(lambda: held_by_foreign(store, KEY), timeout=10)
+    [name] = keys_under(etcd_server, f"{root}/{KEY}/")
+    lease = name.rsplit("/", 1)[1]  # concurrency.Mutex names its key after its lease, in hex
+    [info] = store.holders_of(KEY)
+    assert f"the key {name!r} on the etcd lease {lease}" in info.holder["foreign"]
+
+
 def test_a_waiting_lock_takes_the_key_as_soon_as_etcdctl_releases(
     recipe_url, store, root, etcdctl, tmp_path
 ):
