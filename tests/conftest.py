@@ -171,6 +171,10 @@ BACKEND_CASES = {
     "redis": lambda request: BackendCase(request.getfixturevalue("redis_url")),
     # etcd leases last whole seconds, one at least.
     "etcd": lambda request: BackendCase(request.getfixturevalue("etcd_url"), short_ttl=1.0),
+    # The etcd store speaking etcd's concurrency mutex (?recipe=mutex).
+    "etcd-mutex": lambda request: BackendCase(
+        request.getfixturevalue("etcd_url") + "?recipe=mutex", short_ttl=1.0
+    ),
     "mongodb": lambda request: BackendCase(request.getfixturevalue("mongodb_url")),
     "postgresql": lambda request: BackendCase(request.getfixturevalue("postgresql_url")),
     # The PostgreSQL store speaking session advisory locks (?recipe=advisory).

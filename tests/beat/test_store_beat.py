@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from celery_exclusive.backends.etcd.backend import LEASE_SLACK
+from celery_exclusive.backends.etcd.connection import LEASE_SLACK
 from tests.beat import test_beat as beat
 from tests.stores.test_store_workers import STORES, store_url
 from tests.support.workers import Worker

@@ -68,7 +68,7 @@ def test_redis_leaves_foreign_keys_beside_its_own(redis_url):
 
 def test_etcd_never_deletes_a_foreign_entry_among_a_key_s_holders(etcd_url, etcd_server):
     store = _load(etcd_url)
-    foreign = store.layout.holders(KEY) + b"theirs"  # what etcd's own mutex would write
+    foreign = store.names.holders(KEY) + b"theirs"  # what etcd's own mutex would write
     gateway = f"http://{etcd_server.endpoint}/v3/kv"
 
     def b64(data: bytes) -> str:

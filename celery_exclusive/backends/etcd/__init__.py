@@ -1,7 +1,8 @@
 """etcd v3 lease store (``etcd://``, ``etcds://``), over etcd's JSON gateway.
 
-See :mod:`.backend` for the layout and the transactions, :mod:`.client` for the URL,
-auth, TLS and why the gateway rather than a gRPC client.
+A connection (:mod:`.connection`: the gateway, the process's etcd leases, the one
+translator of failures) plus two layouts: the library's own (:mod:`.backend`) and
+etcd's concurrency mutex on the key's own name (:mod:`.recipe`, ``?recipe=mutex``).
 """
 
 from .backend import EtcdBackend

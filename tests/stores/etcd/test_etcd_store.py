@@ -142,7 +142,7 @@ def test_force_release_leaves_an_etcdctl_lock_under_the_keys_prefix(etcd_server,
     key = f"report-{uuid.uuid4().hex[:8]}"
     owner = uuid.uuid4().hex
     assert backend.try_acquire(key, owner, 10) is not None
-    name = backend.layout.holders(key).decode().rstrip("/")
+    name = backend.names.holders(key).decode().rstrip("/")
     locker = subprocess.Popen(
         ["etcdctl", f"--endpoints={etcd_server.endpoint}", "lock", name, "sleep", "30"],
         env={"ETCDCTL_API": "3", "PATH": "/usr/bin:/bin"},
@@ -170,10 +170,9 @@ def test_force_release_leaves_an_etcdctl_lock_under_the_keys_prefix(etcd_server,
         assert backend.force_release(key) == 1
         after = etcdctl_keys()
         assert len(after) == 1 and after[0] in before
-        assert (
-            backend.layout.holder(key, "x").decode().rsplit("/", 1)[0] + "/" in after[0] + "/"
-            or True
-        )
+        assert (backend.names.holders(key) + b"x").decode().rsplit("/", 1)[0] + "/" in after[
+            0
+        ] + "/" or True
     finally:
         locker.kill()
         locker.wait(10)
