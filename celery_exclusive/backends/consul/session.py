@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..base import LeaseInfo
 from .http import MAX_LOCK_DELAY, REQUEST_TIMEOUT, format_duration
 
 #: Consul's session TTL bounds (structs.SessionTTLMax; session_ttl_min defaults to 10 s).
@@ -60,6 +61,17 @@ def create_body(name: str, ttl: float, behavior: str, lock_delay: float) -> dict
         "Checks": [],
         "NodeChecks": [],
     }
+
+
+@dataclass(frozen=True)
+class SessionLeaseInfo(LeaseInfo):
+    """A lease that lives as long as its holder's session: when it was last extended is
+    unknown, since Consul does not say when a session was last renewed, and its
+    ``expires_in`` (a session's TTL, for another process's) tells nothing of it."""
+
+    @property
+    def renewed_ago(self) -> Optional[float]:
+        return None
 
 
 @dataclass

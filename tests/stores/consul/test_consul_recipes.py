@@ -14,7 +14,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from celery_exclusive.backends.consul import ConsulBackend
+from celery_exclusive.backends import Backend, _load
+from celery_exclusive.core.lease import acquire
 from celery_exclusive.errors import ConfigurationError
 from tests.support import consul_api as api
 from tests.support.consul_emulator import ConsulEmulator, EmulatedConsul
@@ -39,8 +40,8 @@ def store(consul_url, consul_server):
     path Go names (test keys are random); closed after the test."""
     made = []
 
-    def make(recipe: str, folder: str = "") -> ConsulBackend:
-        made.append(ConsulBackend(f"{consul_server.url}/{folder}?lock_delay=0&recipe={recipe}"))
+    def make(recipe: str, folder: str = "") -> Backend:
+        made.append(_load(f"{consul_server.url}/{folder}?lock_delay=0&recipe={recipe}"))
         return made[-1]
 
     yield make
@@ -142,7 +143,7 @@ def test_a_second_lease_of_one_process_on_a_held_key_is_refused_and_the_first_ke
     backend, key = store("api"), path()
     first = backend.try_acquire(key, owner(), 10.0)
     assert backend.try_acquire(key, owner(), 10.0) is None
-    assert backend._process().held[key] == (first.owner, first.fencing_token)
+    assert backend.connection.process().held[key] == (first.owner, first.fencing_token)
 
 
 def test_a_lost_lock_is_reported_by_renew(store, emulator):
@@ -205,7 +206,7 @@ def test_another_limit_than_the_records_is_refused(store, go):
 def test_a_slot_whose_session_dies_is_lost_and_pruned_by_go(store, go, emulator):
     backend, where = store("api"), path()
     lease = backend.try_acquire(where, owner(), 10.0, limit=1 + 1)
-    slot = backend._process().slot_sessions[lease.owner]
+    slot = backend.connection.process().slot_sessions[lease.owner]
     emulator.invalidate(slot)
     assert backend.renew([lease]) == {lease}
     taking = [api.Semaphore(go, api.SemaphoreOptions(Prefix=where, Limit=2)) for _ in "ab"]
@@ -273,7 +274,7 @@ def test_plain_acquire_excludes_both_ways_and_leaves_the_key(store, go, emulator
 
 def test_plain_acquire_refuses_a_limit(store):
     with pytest.raises(ConfigurationError, match="recipe=acquire"):
-        store("acquire").try_acquire(path(), owner(), 10.0, limit=2)
+        acquire(store("acquire"), path(), 10.0, limit=2)
 
 
 def test_the_urls_folder_comes_before_the_key(store, go, emulator):
@@ -294,7 +295,7 @@ def test_the_stores_own_entries_stay_out_of_the_recipes_paths(store, emulator):
 
 def test_an_unknown_recipe_is_refused_at_once(consul_url):
     with pytest.raises(ConfigurationError, match="recipe='lock'"):
-        ConsulBackend(consul_url + "&recipe=lock")
+        _load(consul_url + "&recipe=lock")
 
 
 def test_the_start_up_check_leaves_nothing_behind(store, emulator):
