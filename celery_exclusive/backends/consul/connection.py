@@ -250,6 +250,19 @@ class ConsulConnection(Connection):
         (an idle process's heartbeat renews nothing).
         """
         state = self.process()
+        self.refresh()
+        with state.lock:
+            if state.session_id is None:
+                session_ttl = self.session_ttl(ttl)
+                state.session_id = self.create_session(session_ttl, self.settings.behavior)
+                state.session_ttl = session_ttl
+                state.renewed_at = time.monotonic()
+            return state.session_id, state.session_ttl
+
+    def refresh(self) -> None:
+        """Renew this process's session if it was last renewed more than a third of its
+        TTL ago (see :meth:`session`)."""
+        state = self.process()
         with state.lock:
             session_id, session_ttl, renewed_at = (
                 state.session_id,
@@ -259,13 +272,6 @@ class ConsulConnection(Connection):
         stale = session_id is not None and time.monotonic() - renewed_at > session_ttl / 3
         if stale and self.keep_alive(session_id, "renewing the session"):
             self.settle_orphans()  # locks left by lost answers live as long as the session
-        with state.lock:
-            if state.session_id is None:
-                session_ttl = self.session_ttl(ttl)
-                state.session_id = self.create_session(session_ttl, self.settings.behavior)
-                state.session_ttl = session_ttl
-                state.renewed_at = time.monotonic()
-            return state.session_id, state.session_ttl
 
     def session_ttl(self, ttl: float) -> float:
         clamped = min(max(ttl, self.min_session_ttl), MAX_SESSION_TTL)

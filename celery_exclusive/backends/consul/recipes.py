@@ -73,6 +73,10 @@ OWN_FOLDER = ".celery-exclusive/"
 #: A blocking query on a recipe's path waits at most this long (changes to the line,
 #: which lives elsewhere, are seen at the next one).
 MAX_BLOCK = 3.0
+#: api/lock.go DefaultLockRetryTime: how long a lock refused though the key was free (a
+#: lock delay) is not tried again, "so that once a lock-delay is in affect, we do not hot
+#: loop retrying the acquisition".
+LOCK_RETRY_TIME = 5.0
 
 
 def go_path_join(*parts: str) -> str:
@@ -195,9 +199,10 @@ class HashiCorpRecipe:
     ) -> Optional[Lease]:
         record = {"owner": owner, "limit": limit, "holder": dict(holder or {})}
         connection = self.connection
+        seen = connection.process().seen.pop(key, None)
 
         def lock(session_id: str) -> Optional[int]:
-            return self._lock(key, owner, record, session_id, claimant)
+            return self._lock(key, owner, record, session_id, claimant, seen)
 
         def attempt() -> Optional[Lease]:
             if limit > 1:
@@ -207,15 +212,31 @@ class HashiCorpRecipe:
         return connection.acquire(f"acquiring {key!r}", attempt)
 
     def _lock(
-        self, key: str, owner: str, record: dict, session_id: str, claimant: Optional[str]
+        self,
+        key: str,
+        owner: str,
+        record: dict,
+        session_id: str,
+        claimant: Optional[str],
+        seen: Optional[tuple[dict[str, Entry], Optional[Entry]]],
     ) -> Optional[int]:
         """api/lock.go Lock, as one transaction pinned to the entry as read: a locked
         key is held (None), a key with another recipe's flags is refused; then
-        ``lock`` with the recipe's flags, guarded by the key's line."""
+        ``lock`` with the recipe's flags, guarded by the key's line.
+
+        The entry and the line are read, unless this process's :meth:`wait` just saw
+        them free (``seen``): then, as Go's waiter acquires as soon as its blocking
+        query returns with the key's session empty, the grant is the one request after
+        the wake, and whatever changed since fails its pins and is read.
+        """
         connection = self.connection
         path, line = self._mutex_path(key), self.layout.mark(key, LINE)
-        guard: Optional[dict] = op("check-not-exists", line)
-        entries = connection.read(self._path(key))
+        guard = seen and line_guard(line, seen[1], claimant, 1, connection.store_time())
+        if seen is None or guard is None:
+            guard = op("check-not-exists", line)
+            entries = connection.read(self._path(key))
+        else:
+            entries = seen[0]
         entry = entries.get(path)
         for _ in range(CAS_ATTEMPTS):
             self._check_no_semaphore(key, entries)
@@ -237,7 +258,10 @@ class HashiCorpRecipe:
                     entry = entries.get(path)
                     continue
                 if 2 in failed.failed:
-                    return None  # in the lock delay of a session that held it
+                    # In the lock delay of a session that held it: api/lock.go waits
+                    # DefaultLockRetryTime before it tries again, and so do our waiters.
+                    connection.process().delayed[key] = time.monotonic() + LOCK_RETRY_TIME
+                    return None
                 now = connection.store_time()
                 guard = line_guard(line, connection.get(line), claimant, 1, now)
                 if guard is None:
@@ -518,22 +542,37 @@ class HashiCorpRecipe:
         return first_in_line(mark_value(line, now), claimant, now)
 
     def wait(self, key: str, timeout: float, claimant: Optional[str] = None) -> None:
-        """Blocking queries on the key's path: woken by a change to what lives there."""
+        """Blocking queries on the key's path, in api/lock.go Lock's order: each answers
+        with what lives there, and returns at once when it shows a slot free (the key's
+        session empty) for ``claimant``, first in line; what it saw is the next grant's
+        pin (:meth:`_lock`). The line lives elsewhere: read at the start, and again
+        whenever a query ends without a change. A key whose lock was refused though
+        free (Consul's lock delay) is not tried again for LOCK_RETRY_TIME, as Go's
+        waiter does not."""
         connection = self.connection
         path, line = self._path(key), self.layout.mark(key, LINE)
+        state = connection.process()
 
         def wait() -> None:
             deadline = time.monotonic() + timeout
-            index = 0
+            index, listed = connection.list(path)
+            line_entry = connection.get(line)
             while True:
-                entries = connection.read(path, line)
-                line_entry = entries.pop(line, None)
-                if self._free_for(key, entries, line_entry, claimant):
+                entries = {entry.key: entry for entry in listed}
+                delayed = state.delayed.get(key, 0.0) - time.monotonic()
+                if delayed <= 0:
+                    state.delayed.pop(key, None)
+                if delayed <= 0 and self._free_for(key, entries, line_entry, claimant):
+                    state.seen[key] = (entries, line_entry)
                     return
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return
-                new, _ = connection.list(path, index, min(remaining, MAX_BLOCK), keys=True)
+                connection.refresh()  # so that a grant right after the wake is one request
+                block = min(remaining, MAX_BLOCK, delayed if delayed > 0 else MAX_BLOCK)
+                new, listed = connection.list(path, index, block)
+                if new == index:
+                    line_entry = connection.get(line)
                 index = new if new >= index else 0
 
         connection.call(f"waiting on {key!r}", wait)

@@ -29,7 +29,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from ..base import LeaseInfo
 from .http import MAX_LOCK_DELAY, REQUEST_TIMEOUT, format_duration
@@ -102,6 +102,10 @@ class ProcessState:
     #: ``?recipe=`` semaphore slots: owner -> the session of its own holding the slot
     #: (Consul's semaphore keys holders by session, one slot each).
     slot_sessions: dict[str, str] = field(default_factory=dict)
+    #: ``?recipe=`` keys a wait saw free: their entries and line, the next grant's pins.
+    seen: dict[str, tuple[dict[str, Any], Optional[Any]]] = field(default_factory=dict)
+    #: ``?recipe=`` keys whose lock was refused in a lock delay -> when to try again.
+    delayed: dict[str, float] = field(default_factory=dict)
 
     def forget_session(self, session_id: str) -> None:
         """The session is gone, and with it every lock it had."""
