@@ -87,9 +87,9 @@ def consul_server():
 @pytest.fixture
 def consul_url(consul_server, monkeypatch):
     """A KV folder of the test's own on the session's Consul."""
-    from celery_exclusive.backends.consul import ConsulBackend
+    from celery_exclusive.backends.consul import ConsulConnection
 
-    monkeypatch.setattr(ConsulBackend, "min_session_ttl", consul_server.min_session_ttl)
+    monkeypatch.setattr(ConsulConnection, "min_session_ttl", consul_server.min_session_ttl)
     # lock_delay=0: the contract measures expiry alone (Consul's lock delay would add to it).
     return f"{consul_server.url}/exclusive-tests/{uuid.uuid4().hex}?lock_delay=0"
 
@@ -190,11 +190,15 @@ BACKEND_CASES = {
         request.getfixturevalue("consul_url"),
         short_ttl=request.getfixturevalue("consul_server").short_ttl,
     ),
-    # The Consul store speaking HashiCorp's api.Lock / api.Semaphore (?recipe=api).
-    "consul-recipe": lambda request: BackendCase(
-        request.getfixturevalue("consul_url") + "&recipe=api",
-        short_ttl=request.getfixturevalue("consul_server").short_ttl,
-    ),
+    # The Consul store speaking HashiCorp's api.Lock / api.Semaphore, `consul lock` and
+    # the plain KV acquire (?recipe=).
+    **{
+        f"consul-{recipe}": lambda request, recipe=recipe: BackendCase(
+            request.getfixturevalue("consul_url") + f"&recipe={recipe}",
+            short_ttl=request.getfixturevalue("consul_server").short_ttl,
+        )
+        for recipe in ("api", "consul-lock", "acquire")
+    },
 }
 
 

@@ -230,7 +230,7 @@ def test_the_redis_acl_grants_what_the_store_needs(block):
 
 @pytest.mark.parametrize("block", of_kind("hcl"))
 def test_the_consul_policy_is_what_the_store_asks_for(block):
-    from celery_exclusive.backends.consul.errors import policy_for
+    from celery_exclusive.backends.consul.connection import policy_for
 
     rules = re.findall(r'^(\w+) "([^"]*)"\s*\{ policy = "(\w+)" \}', block.text, re.M)
     (root,) = [name for kind, name, _ in rules if kind == "key_prefix"]

@@ -48,11 +48,8 @@ QUERY_OPTIONS = (
     "cacert",
     "client_cert",
     "client_key",
-    "recipe",
+    "recipe",  # the layout's (``backends._layout``)
 )
-#: ``?recipe=``: Consul's own lock recipes a store can speak instead of its own layout
-#: (``recipes.py``).
-RECIPES = ("api", "consul-lock", "acquire")
 #: URL option -> the environment variable Consul's own tools read for it.
 ENVIRONMENT = {
     "token": "CONSUL_HTTP_TOKEN",
@@ -82,8 +79,6 @@ class ConsulSettings:
     cacert: Optional[str] = None
     client_cert: Optional[str] = None
     client_key: Optional[str] = None
-    #: One of RECIPES, or None for the store's own layout.
-    recipe: Optional[str] = None
 
     @property
     def base_url(self) -> str:
@@ -123,12 +118,6 @@ def settings_from_url(url: str, environ: Mapping[str, str] = os.environ) -> Cons
         raise ConfigurationError(
             f"exclusive_backend_url has behavior={behavior!r}; use delete (the default) or release."
         )
-    if option["recipe"] is not None and option["recipe"] not in RECIPES:
-        raise ConfigurationError(
-            f"exclusive_backend_url has recipe={option['recipe']!r}; use api (HashiCorp's "
-            "api.Lock and api.Semaphore), consul-lock (the `consul lock` command) or "
-            "acquire (a plain KV acquire), or leave it out for the store's own layout."
-        )
     for name in ("cacert", "client_cert", "client_key"):
         if option[name] and not os.path.isfile(option[name]):
             raise ConfigurationError(
@@ -154,7 +143,6 @@ def settings_from_url(url: str, environ: Mapping[str, str] = os.environ) -> Cons
         cacert=option["cacert"],
         client_cert=option["client_cert"],
         client_key=option["client_key"],
-        recipe=option["recipe"],
     )
 
 
@@ -244,10 +232,6 @@ class TooLarge(ConsulError):
 
 class Refused(ConsulError):
     """An answer retrying cannot change: 400, a redirect, a wrong datacenter, TLS."""
-
-
-class InvalidSession(ConsulError):
-    """A lock naming a session the servers no longer know (HTTP 500 "invalid session")."""
 
 
 @dataclass
@@ -460,8 +444,6 @@ def _failure(answer: Answer, write: bool) -> ConsulError:
         return Refused(summary, status, text)
     if status == 500 and any(reason in text for reason in _WRONG_DATACENTER):
         return Refused(summary, status, text)
-    if status == 500 and "invalid session" in text.lower():
-        return InvalidSession(summary, status, text)
     if write and status >= 500:
         # leadership lost while committing, a timeout inside the cluster: may have landed.
         return Ambiguous(summary, status, text)

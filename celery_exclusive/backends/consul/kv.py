@@ -27,6 +27,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ..line import admit
+
 #: Characters kept as they are in a key's segment; every other byte becomes ``_XX``.
 _PLAIN = re.compile(r"[A-Za-z0-9-]")
 _SEGMENT = re.compile(r"(?:[A-Za-z0-9-]|_[0-9A-F]{2})*")
@@ -188,3 +190,36 @@ def unpack_mark(raw: bytes) -> Optional[tuple[str, float]]:
         return (body.decode("utf-8", "surrogatepass"), expires_at) if newline else None
     except ValueError:
         return None
+
+
+def mark_value(entry: Optional[Entry], now: float) -> Optional[str]:
+    """The live value of a mark entry: None when absent, expired or not a mark."""
+    mark = unpack_mark(entry.value) if entry is not None else None
+    return mark[0] if mark is not None and mark[1] > now else None
+
+
+def line_guard(
+    path: str, entry: Optional[Entry], claimant: Optional[str], free: int, now: float
+) -> Optional[dict[str, Any]]:
+    """The operation that pins a grant to the key's line (the mark at ``path``) as read,
+    or None when the line puts others ahead of ``claimant`` for the ``free`` slots.
+
+    No line: ``check-not-exists``. An expired one: a ``delete-cas`` tidying it. A line
+    admitting ``claimant``: a ``cas`` (or, for its last entry, a ``delete-cas``) on the
+    ModifyIndex read, taking the claimant out with the grant, or a ``check-index`` if
+    the claimant was not in it.
+    """
+    if entry is None:
+        return op("check-not-exists", path)
+    mark = unpack_mark(entry.value)
+    if mark is None or mark[1] <= now:
+        return op("delete-cas", path, index=entry.modify_index)
+    line, expires_at = mark
+    admitted, rest = admit(line, claimant, free, now)
+    if not admitted:
+        return None
+    if rest == line:
+        return op("check-index", path, index=entry.modify_index)
+    if rest is None:
+        return op("delete-cas", path, index=entry.modify_index)
+    return op("cas", path, pack_mark(rest, expires_at), index=entry.modify_index)

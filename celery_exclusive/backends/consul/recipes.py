@@ -1,16 +1,20 @@
 """Consul's own lock recipes, spoken by the store when its URL says ``?recipe=``, so
 that other clients of the same Consul and this library exclude each other on one key.
 
-``?recipe=api``
+``?recipe=api`` (:class:`ApiRecipe`)
     HashiCorp's Go client (``github.com/hashicorp/consul/api``): a limit-1 lease is
     ``api.Lock`` on the key's path (``client.LockKey(path)``), a limit-N lease a slot
     of ``api.Semaphore`` on it as a prefix (``client.SemaphorePrefix(path, N)``).
-``?recipe=consul-lock``
+``?recipe=consul-lock`` (:class:`ConsulLockRecipe`)
     The ``consul lock [-n N] path cmd`` command: limit 1 is ``api.Lock`` on
     ``path/.lock``; limit N is ``api.Semaphore`` on ``path``.
-``?recipe=acquire``
+``?recipe=acquire`` (:class:`AcquireRecipe`)
     The leader-election guide's plain ``KV().Acquire(path, session)`` (no flags), limit
     1 only.
+
+The three are one mechanism, HashiCorp's, named three ways: each recipe's class is
+:class:`HashiCorpRecipe` with its own naming (where its lock lives, the flags its
+entries carry) and capabilities.
 
 A lease key is a KV path, used as it is (no encoding) under the URL's folder:
 ``consul://host:8500/<folder>?recipe=api`` and the key ``exclusive_key_prefix`` +
@@ -46,26 +50,18 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
-import os
-import socket
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import replace
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
-from ...errors import ConfigurationError, ExclusiveError
-from ..base import Lease, LeaseInfo
+from ...errors import ConfigurationError
+from ..base import NO_END, Backend, Capabilities, End, Lease, LeaseInfo, MarkRead
 from ..limits import check_limit
 from ..line import LINE, first_in_line
-from ..readback import settle_release
-from .core import CAS_ATTEMPTS, MAX_TXN_OPS, SessionGone, TxnConflict
-from .http import Ambiguous, ConsulError, Unavailable
-from .kv import Entry, Layout, op
-from .locks import Locks, _mark_value
-from .session import create_body, lock_delay_for, ttl_seconds
-
-logger = logging.getLogger("celery_exclusive")
+from .connection import CAS_ATTEMPTS, ConsulConnection, TxnConflict
+from .http import Ambiguous
+from .kv import Entry, Layout, line_guard, mark_value, op
+from .session import SessionLeaseInfo, ttl_seconds
 
 #: api/lock.go LockFlagValue and api/semaphore.go SemaphoreFlagValue.
 LOCK_FLAG, SEMAPHORE_FLAG = 0x2DDCCBC058A50C18, 0xE0F69A2BAA414DE0
@@ -77,6 +73,10 @@ OWN_FOLDER = ".celery-exclusive/"
 #: A blocking query on a recipe's path waits at most this long (changes to the line,
 #: which lives elsewhere, are seen at the next one).
 MAX_BLOCK = 3.0
+#: api/lock.go DefaultLockRetryTime: how long a lock refused though the key was free (a
+#: lock delay) is not tried again, "so that once a lock-delay is in affect, we do not hot
+#: loop retrying the acquisition".
+LOCK_RETRY_TIME = 5.0
 
 
 def go_path_join(*parts: str) -> str:
@@ -137,94 +137,106 @@ def _encode(limit: int, holders: Mapping[str, bool]) -> bytes:
     return json.dumps({"Limit": limit, "Holders": dict(sorted(holders.items()))}).encode()
 
 
-class RecipeLocks(Locks):
-    """The lease protocol over Consul's own recipes (see the module's docstring)."""
+class HashiCorpRecipe:
+    """The lease protocol over HashiCorp's recipes on a key's KV path (see the module's
+    docstring); each recipe's class adds its naming and its capabilities to
+    :class:`~celery_exclusive.backends.base.Backend`."""
+
+    recipe: ClassVar[Optional[str]]
+    connection_class = ConsulConnection
+    connection: ConsulConnection
+    #: The flags of the lock entry (api/lock.go LockFlagValue): written with it, and
+    #: required of an entry found there. None: the plain acquire, which neither writes
+    #: nor checks any.
+    lock_flag: ClassVar[Optional[int]] = LOCK_FLAG
+    #: Where the lock lives under the key's path ("": the path itself).
+    lock_key: ClassVar[str] = ""
+    #: The flags of a semaphore record this recipe shares slots of (None: it has none).
+    semaphore_flag: ClassVar[Optional[int]] = SEMAPHORE_FLAG
 
     def __init__(self, url: str) -> None:
-        super().__init__(url)
-        if self.recipe:
-            # What only this library keeps, apart from the paths other clients name.
-            self.layout = Layout(self.settings.root + OWN_FOLDER)
-        if self.recipe == "acquire":  # the guide's plain KV acquire: one holder per key
-            self.capabilities = replace(self.capabilities, limits=False)
+        super().__init__(url)  # type: ignore[call-arg]  # Backend's, next in each recipe
+        # What only this library keeps, apart from the paths other clients name.
+        self.layout = Layout(self.connection.settings.root + OWN_FOLDER)
 
-    @property
-    def recipe(self) -> Optional[str]:
-        return self.settings.recipe
-
-    # -- where a key lives ---------------------------------------------------------
+    # -- where a key lives ---------------------------------------------------------------
 
     def _path(self, key: str) -> str:
         """The KV path of ``key``: the URL's folder, then the key as it is."""
-        return self.settings.root + recipe_path(key, self.recipe or "")
+        return self.connection.settings.root + recipe_path(key, self.recipe or "")
 
     def _mutex_path(self, key: str) -> str:
-        path = self._path(key)
-        return go_path_join(path, SEMAPHORE_KEY) if self.recipe == "consul-lock" else path
+        return go_path_join(self._path(key), self.lock_key)
 
-    def _still_granted(self, key: str, token: int) -> bool:
-        if self.recipe is None:
-            return super()._still_granted(key, token)
-        try:
-            self._txn([op("check-index", self._mutex_path(key), index=token)])
-        except TxnConflict:
-            return False
-        return True
+    def _locked(self, key: str, entries: Mapping[str, Entry]) -> Optional[Entry]:
+        """``key``'s lock entry among the entries under its path, if a session holds it."""
+        mutex = entries.get(self._mutex_path(key))
+        held = mutex is not None and mutex.session and mutex.flags != SEMAPHORE_FLAG
+        return mutex if held else None
 
-    def _prefix(self, key: str, limit: int) -> str:
-        if self.recipe == "acquire":
-            raise ConfigurationError(
-                f"the key {key!r} has exclusive_limit={limit}, but ?recipe=acquire is the "
-                "leader-election guide's plain KV acquire, one holder at a time; use "
-                "?recipe=api or consul-lock (Consul's semaphore) for limits above 1."
-            )
-        return self._path(key)
+    def _semaphore(
+        self, key: str, entries: Mapping[str, Entry]
+    ) -> tuple[Optional[Entry], int, dict[str, bool]]:
+        """``key``'s semaphore record among the entries under its path, if this recipe
+        shares one, with its limit and its live holders (pruned as Go prunes them)."""
+        sem = entries.get(go_path_join(self._path(key), SEMAPHORE_KEY))
+        if sem is None or sem.flags != self.semaphore_flag:
+            return None, 0, {}
+        limit, holders = _holders_of(sem, key, sem.key)
+        return sem, limit, _pruned(holders, entries)
 
-    def _flag(self) -> int:
-        return 0 if self.recipe == "acquire" else LOCK_FLAG
+    # -- acquire -------------------------------------------------------------------------
 
-    # -- acquire ---------------------------------------------------------------------
-
-    def try_acquire(self, key, owner, ttl, limit=1, holder=None, claimant=None):
-        if self.recipe is None:
-            return super().try_acquire(key, owner, ttl, limit, holder, claimant)
+    def try_acquire(
+        self,
+        key: str,
+        owner: str,
+        ttl: float,
+        limit: int = 1,
+        holder: Optional[Mapping[str, Any]] = None,
+        claimant: Optional[str] = None,
+        read: Optional[MarkRead] = None,  # read by the caller, after the grant
+    ) -> Optional[Lease]:
         record = {"owner": owner, "limit": limit, "holder": dict(holder or {})}
-        acquire = self._recipe_mutex if limit == 1 else self._recipe_slot
-        action = f"acquiring {key!r}"
-        for _ in range(2):  # a session that died since its last use: once more, anew
-            try:
-                return self._call(action, acquire, key, owner, ttl, record, claimant)
-            except SessionGone:
-                continue
-        return None
+        connection = self.connection
+        seen = connection.process().seen.pop(key, None)
 
-    def _recipe_mutex(self, key, owner, ttl, record, claimant) -> Optional[Lease]:
-        path = self._mutex_path(key)
-        if not self._reserve(key, owner):
-            return None
-        state = self._process()
-        token = 0
-        try:
-            session_id, session_ttl = self._session(ttl)
-            token = self._lock_path(key, path, owner, record, session_id, claimant) or 0
-            if not token:
-                return None
-            with state.lock:
-                state.held[key] = (owner, token)
-            return Lease(key, owner, token, min(ttl, session_ttl), 1)
-        finally:
-            if not token:
-                with state.lock:
-                    if state.held.get(key) == (owner, 0):
-                        del state.held[key]
+        def lock(session_id: str) -> Optional[int]:
+            return self._lock(key, owner, record, session_id, claimant, seen)
 
-    def _lock_path(self, key, path, owner, record, session_id, claimant) -> Optional[int]:
+        def attempt() -> Optional[Lease]:
+            if limit > 1:
+                return self._acquire_slot(key, owner, ttl, record, claimant)
+            return connection.lock(key, owner, ttl, self._mutex_path(key), lock)
+
+        return connection.acquire(f"acquiring {key!r}", attempt)
+
+    def _lock(
+        self,
+        key: str,
+        owner: str,
+        record: dict,
+        session_id: str,
+        claimant: Optional[str],
+        seen: Optional[tuple[dict[str, Entry], Optional[Entry]]],
+    ) -> Optional[int]:
         """api/lock.go Lock, as one transaction pinned to the entry as read: a locked
         key is held (None), a key with another recipe's flags is refused; then
-        ``lock`` with the recipe's flags, guarded by the key's line."""
-        line = self.layout.mark(key, LINE)
-        guard: Optional[dict] = op("check-not-exists", line)
-        entries = self._recipe_entries(key)
+        ``lock`` with the recipe's flags, guarded by the key's line.
+
+        The entry and the line are read, unless this process's :meth:`wait` just saw
+        them free (``seen``): then, as Go's waiter acquires as soon as its blocking
+        query returns with the key's session empty, the grant is the one request after
+        the wake, and whatever changed since fails its pins and is read.
+        """
+        connection = self.connection
+        path, line = self._mutex_path(key), self.layout.mark(key, LINE)
+        guard = seen and line_guard(line, seen[1], claimant, 1, connection.store_time())
+        if seen is None or guard is None:
+            guard = op("check-not-exists", line)
+            entries = connection.read(self._path(key))
+        else:
+            entries = seen[0]
         entry = entries.get(path)
         for _ in range(CAS_ATTEMPTS):
             self._check_no_semaphore(key, entries)
@@ -236,41 +248,39 @@ class RecipeLocks(Locks):
                 if entry is None
                 else op("check-index", path, index=entry.modify_index)
             )
-            grant = op("lock", path, record, session_id, flags=self._flag())
+            grant = op("lock", path, record, session_id, flags=self.lock_flag or 0)
             try:
-                results = self._txn([guard, pin, grant])
+                results = connection.txn([guard, pin, grant])
             except TxnConflict as failed:
-                if failed.session_invalid:
-                    self._process().forget_session(session_id)
-                    raise SessionGone() from None
+                connection.check_session(failed, session_id)
                 if 1 in failed.failed:
-                    entries = self._recipe_entries(key)  # changed since read: look again
+                    entries = connection.read(self._path(key))  # changed since read: look again
                     entry = entries.get(path)
                     continue
                 if 2 in failed.failed:
-                    return None  # in the lock delay of a session that held it
-                guard = self._line_guard(line, self._get(line), claimant, free=1)
+                    # In the lock delay of a session that held it: api/lock.go waits
+                    # DefaultLockRetryTime before it tries again, and so do our waiters.
+                    connection.process().delayed[key] = time.monotonic() + LOCK_RETRY_TIME
+                    return None
+                now = connection.store_time()
+                guard = line_guard(line, connection.get(line), claimant, 1, now)
                 if guard is None:
                     return None
                 continue
             except Ambiguous as lost:
-                return self._settle_acquire(path, owner, session_id, lost)
+                return connection.settle_acquire(path, owner, session_id, lost)
             return [e.modify_index for e in results if e.key == path][-1]  # the lock's
         return None
 
     def _check_no_semaphore(self, key: str, entries: Mapping[str, Entry]) -> None:
         """A limit-1 lease on a key whose semaphore has live holders: the limits differ."""
-        if self.recipe == "acquire":
-            return
-        sem = entries.get(go_path_join(self._path(key), SEMAPHORE_KEY))
-        if sem is not None and sem.flags == SEMAPHORE_FLAG:
-            limit, holders = _holders_of(sem, key, sem.key)
-            if _pruned(holders, entries):
-                check_limit(key, 1, [limit])
+        _, limit, live = self._semaphore(key, entries)
+        if live:
+            check_limit(key, 1, [limit])
 
     def _check_flags(self, key: str, path: str, entry: Optional[Entry]) -> None:
         """api/lock.go Lock: ``pair.Flags != LockFlagValue`` is ErrLockConflict."""
-        if entry is None or self.recipe == "acquire" or entry.flags == LOCK_FLAG:
+        if entry is None or self.lock_flag is None or entry.flags == self.lock_flag:
             return
         what = (
             "a semaphore's record (consul lock -n, api.Semaphore)"
@@ -284,18 +294,21 @@ class RecipeLocks(Locks):
             "or the task a key of its own."
         )
 
-    def _recipe_slot(self, key, owner, ttl, record, claimant) -> Optional[Lease]:
+    def _acquire_slot(
+        self, key: str, owner: str, ttl: float, record: dict, claimant: Optional[str]
+    ) -> Optional[Lease]:
         """api/semaphore.go Acquire, as one transaction per attempt: read the prefix;
         refuse another recipe's record or another limit; full after pruning: None;
         else lock our contender entry and CAS the record with our session added."""
+        connection = self.connection
         limit = record["limit"]
-        prefix = self._prefix(key, limit)
-        lock_path, line = go_path_join(prefix, SEMAPHORE_KEY), self.layout.mark(key, LINE)
+        prefix, line = self._path(key), self.layout.mark(key, LINE)
+        lock_path = go_path_join(prefix, SEMAPHORE_KEY)
         session_id: Optional[str] = None
         session_ttl = 0.0
         try:
             for _ in range(CAS_ATTEMPTS):
-                entries = self._read(prefix, line)
+                entries = connection.read(prefix, line)
                 line_entry = entries.pop(line, None)
                 sem = entries.get(lock_path)
                 mutex = entries.get(self._mutex_path(key))
@@ -314,11 +327,14 @@ class RecipeLocks(Locks):
                 holders = _pruned(holders, entries)
                 if len(holders) >= limit:
                     return None
-                guard = self._line_guard(line, line_entry, claimant, limit - len(holders))
+                now = connection.store_time()
+                guard = line_guard(line, line_entry, claimant, limit - len(holders), now)
                 if guard is None:
                     return None
                 if session_id is None:
-                    session_id, session_ttl = self._slot_session(key, ttl)
+                    session_ttl = connection.session_ttl(ttl)
+                    # api/semaphore.go createSession: Behavior: SessionBehaviorDelete
+                    session_id = connection.create_session(session_ttl, "delete", f" slot of {key}")
                 contender = go_path_join(prefix, session_id)
                 value = _encode(limit, {**holders, session_id: True})
                 index = sem.modify_index if sem is not None else 0
@@ -328,14 +344,14 @@ class RecipeLocks(Locks):
                     op("cas", lock_path, value, index=index, flags=SEMAPHORE_FLAG),
                 ]
                 try:
-                    results = self._txn(ops)
+                    results = connection.txn(ops)
                 except TxnConflict:
                     continue  # another contender changed the prefix first: read again
                 except Ambiguous as lost:
-                    token = self._settle_acquire(contender, owner, session_id, lost)
+                    token = connection.settle_acquire(contender, owner, session_id, lost)
                 else:
                     token = next(e.modify_index for e in results if e.key == lock_path)
-                state = self._process()
+                state = connection.process()
                 with state.lock:
                     state.slot_sessions[owner] = session_id
                 session_id = None  # the lease keeps it
@@ -343,126 +359,72 @@ class RecipeLocks(Locks):
             return None
         finally:
             if session_id is not None:
-                self._destroy(session_id)
+                connection.destroy(session_id)
 
-    def _slot_session(self, key: str, ttl: float) -> tuple[str, float]:
-        session_ttl = self._session_ttl(ttl)
-        body = create_body(
-            f"celery-exclusive {socket.gethostname()} pid {os.getpid()} slot of {key}",
-            session_ttl,
-            "delete",  # api/semaphore.go createSession: Behavior: SessionBehaviorDelete
-            lock_delay_for(session_ttl, self.settings.lock_delay),
-        )
-        answer = self.http.call("PUT", "/v1/session/create", body=body, write=True)
-        return answer.json()["ID"], session_ttl
+    # -- renew, release ------------------------------------------------------------------
 
-    def _destroy(self, session_id: str) -> None:
-        with contextlib.suppress(ConsulError):
-            self.http.call("PUT", f"/v1/session/destroy/{session_id}", write=True)
-
-    # -- renew -------------------------------------------------------------------------
-
-    def _proof(self, lease: Lease, session_id: str) -> dict[str, Any]:
-        if self.recipe is None:
-            return super()._proof(lease, session_id)
+    def _proof(self, lease: Lease, session_id: Optional[str] = None) -> dict[str, Any]:
+        """The read-only operation that holds exactly when ``lease`` is still held: its
+        lock at its token, or its contender entry locked by its slot's session."""
         if lease.limit == 1:
             return op("check-index", self._mutex_path(lease.key), index=lease.fencing_token)
-        slot = self._process().slot_sessions.get(lease.owner, "")
-        contender = go_path_join(self._prefix(lease.key, lease.limit), slot or "-")
+        slot = self.connection.process().slot_sessions.get(lease.owner, "")
+        contender = go_path_join(self._path(lease.key), slot or "-")
         return op("check-session", contender, session=slot)
 
     def renew(self, leases: Iterable[Lease]) -> set[Lease]:
+        """This process's session for its locks; each slot's own session for its slot."""
+        connection = self.connection
         leases = list(leases)
-        if self.recipe is None or not leases:
-            return super().renew(leases)
-        slots = [lease for lease in leases if lease.limit > 1]
         mutexes = [lease for lease in leases if lease.limit == 1]
-        lost = super().renew(mutexes) if mutexes else set()
-        state = self._process()
-        alive = []
-        for lease in slots:
-            slot = state.slot_sessions.get(lease.owner)
-            if slot is None or not self._keep_slot_alive(slot):
-                lost.add(lease)
-            else:
+        lost = connection.renew(mutexes, self._proof) if mutexes else set()
+        sessions, alive = connection.process().slot_sessions, []
+        for lease in leases:
+            slot = sessions.get(lease.owner) if lease.limit > 1 else None
+            if slot is not None and connection.call(
+                "renewing a slot's session", connection.renew_session, slot
+            ):
                 alive.append(lease)
-        for start in range(0, len(alive), MAX_TXN_OPS):
-            chunk = alive[start : start + MAX_TXN_OPS]
-            try:
-                self._call("renewing slots", self._txn, [self._proof(s, "") for s in chunk])
-            except TxnConflict as failed:
-                lost |= {chunk[i] for i in failed.failed if i < len(chunk)}
-        return lost
+            elif lease.limit > 1:
+                lost.add(lease)
+        return lost | connection.prove(alive, self._proof, "renewing slots")
 
-    def _keep_slot_alive(self, session_id: str) -> bool:
-        return self._call("renewing a slot's session", self._renew_session, session_id)
+    def release(self, lease: Lease, end: End = NO_END) -> Optional[bool]:
+        if end.mark or end.write:
+            return super().release(lease, end)  # type: ignore[misc]
+        release = self._unlock if lease.limit == 1 else self._release_slot
+        return self.connection.call(f"releasing {lease.key!r}", release, lease)
 
-    # -- release -----------------------------------------------------------------------
-
-    def release(self, lease: Lease) -> bool:
-        if self.recipe is None:
-            return super().release(lease)
-        release = self._release_path if lease.limit == 1 else self._release_recipe_slot
-        return self._call(f"releasing {lease.key!r}", release, lease)
-
-    def _release_path(self, lease: Lease) -> bool:
+    def _unlock(self, lease: Lease) -> bool:
         """api/lock.go Unlock: ``kv.Release`` with the recipe's flags; the key stays,
         unlocked (and empty: no holder to name). Pinned to our grant (check-index)."""
-        state = self._process()
+        connection = self.connection
         path = self._mutex_path(lease.key)
-        with state.lock:
-            mine = state.held.get(lease.key) == (lease.owner, lease.fencing_token)
-            if mine:
-                del state.held[lease.key]
-            session_id = state.session_id if mine else None
-        if session_id is None:  # another process's lease (a killed child's): read it
-            entry = self._get(path, consistent=True)
-            if entry is None or entry.modify_index != lease.fencing_token:
-                return False
-            if entry.record().get("owner") != lease.owner or not entry.session:
+        session_id = connection.process().session_id
+        if not connection.held_by_this_process(lease):  # another process's (a killed child's)
+            entry = connection.granted(path, lease)
+            if entry is None or not entry.session:
                 return False
             session_id = entry.session
         ops = [
             op("check-index", path, index=lease.fencing_token),
-            op("unlock", path, session=session_id, flags=self._flag()),
+            op("unlock", path, session=session_id, flags=self.lock_flag or 0),
         ]
-        return self._settle_path_release(path, lease, ops)
+        return connection.settle_release(path, lease, ops, orphan=False)
 
-    def _settle_path_release(self, path: str, lease: Lease, ops: list[dict]) -> bool:
-        """Run a release until its outcome is known: after a lost answer, a key no
-        longer carrying the grant's index was released (by us, or it expired)."""
-
-        def send() -> bool:
-            try:
-                self._txn(ops)
-                return True
-            except TxnConflict:
-                return False
-
-        def held() -> bool:
-            entry = self._get(path, consistent=True)
-            return entry is not None and entry.modify_index == lease.fencing_token
-
-        try:
-            return send()
-        except Unavailable as lost:
-            try:
-                return settle_release(held, send, lost, *self._settling)
-            except Unavailable:
-                raise Unavailable(f"the release of {lease.key!r} was not answered") from None
-
-    def _release_recipe_slot(self, lease: Lease) -> bool:
+    def _release_slot(self, lease: Lease) -> bool:
         """api/semaphore.go Release: our session out of the record by check-and-set,
         our contender entry deleted, in one transaction; then our slot's session is
         destroyed. The record stays for the other holders."""
-        prefix = self._prefix(lease.key, lease.limit)
+        connection = self.connection
+        prefix = self._path(lease.key)
         lock_path = go_path_join(prefix, SEMAPHORE_KEY)
-        state = self._process()
+        state = connection.process()
         with state.lock:
             slot = state.slot_sessions.pop(lease.owner, None)
         try:
             for _ in range(CAS_ATTEMPTS):
-                entries = self._read(prefix)
+                entries = connection.read(prefix)
                 if slot is None:  # another process's lease: find its contender entry
                     slot = next(
                         (
@@ -491,55 +453,45 @@ class RecipeLocks(Locks):
                     index = sem.modify_index
                     ops.append(op("cas", lock_path, value, index=index, flags=SEMAPHORE_FLAG))
                 try:
-                    self._txn(ops)
+                    connection.txn(ops)
                     return True
                 except TxnConflict:
                     continue
                 except Ambiguous:
-                    entry = self._settled_read(contender.key)
+                    entry = connection.settled_read(contender.key)
                     if entry is None or entry.record().get("owner") != lease.owner:
                         return True
             return False
         finally:
             if slot is not None:
-                self._destroy(slot)
+                connection.destroy(slot)
 
-    # -- who holds a key, waiting for it -------------------------------------------------
+    # -- who holds a key, waiting for it ---------------------------------------------------
 
-    def _recipe_entries(self, key: str) -> dict[str, Entry]:
-        """Every entry under ``key``'s path, as Go's ``kv.List(prefix)`` reads it (any
-        key starting with it: pruneDeadHolders counts their sessions alive too)."""
-        return self._read(self._path(key))
-
-    def _recipe_holders(self, key: str, entries: Mapping[str, Entry]) -> list[LeaseInfo]:
-        """Holders of ``key``: of its lock entry, or the pruned holders of its
-        semaphore record. This library's are described by their record; another
-        client's by its Consul session (``holder["foreign"]``)."""
-        path = self._path(key)
-        infos = []
-        mutex = entries.get(self._mutex_path(key))
-        if mutex is not None and mutex.session and mutex.flags != SEMAPHORE_FLAG:
-            infos.append(self._info(key, mutex, mutex.session))
-        sem = entries.get(go_path_join(path, SEMAPHORE_KEY))
-        if self.recipe != "acquire" and sem is not None and sem.flags == SEMAPHORE_FLAG:
-            _, holders = _holders_of(sem, key, sem.key)
-            for session_id in _pruned(holders, entries):
-                contender = entries.get(go_path_join(path, session_id))
-                if contender is None:
-                    contender = next(e for e in entries.values() if e.session == session_id)
-                infos.append(self._info(key, contender, session_id))
+    def _holders(self, key: str, entries: Mapping[str, Entry]) -> list[LeaseInfo]:
+        """Holders of ``key`` among the entries under its path (as Go's
+        ``kv.List(prefix)`` reads them: pruneDeadHolders counts their sessions alive
+        too): of its lock entry, or the pruned holders of its semaphore record."""
+        mutex = self._locked(key, entries)
+        infos = [] if mutex is None else [self._info(key, mutex, mutex.session or "")]
+        for session_id in self._semaphore(key, entries)[2]:
+            contender = entries.get(go_path_join(self._path(key), session_id))
+            if contender is None:
+                contender = next(e for e in entries.values() if e.session == session_id)
+            infos.append(self._info(key, contender, session_id))
         return infos
 
     def _info(self, key: str, entry: Entry, session_id: str) -> LeaseInfo:
+        """This library's holder, described by its record; another client's by its
+        Consul session (``holder["foreign"]``)."""
         record = entry.record()
         if isinstance(record.get("owner"), str) and isinstance(record.get("holder"), dict):
-            expires = self._expires_in(session_id)
-            return LeaseInfo(key, record["owner"], entry.modify_index, expires, record["holder"])
-        answer = self.http.call("GET", f"/v1/session/info/{session_id}")
-        session = (answer.json() or [None])[0] or {}
+            expiry = {session_id: self.connection.expires_in(session_id)}
+            return self.connection.lease_info(key, record["owner"], entry, record["holder"], expiry)
+        session = self.connection.session_info(session_id)
         name, node = session.get("Name") or "", session.get("Node") or "?"
         ttl = session.get("TTL")
-        return LeaseInfo(
+        return SessionLeaseInfo(
             key,
             f"consul-session:{session_id}",
             entry.modify_index,
@@ -547,112 +499,196 @@ class RecipeLocks(Locks):
             {"foreign": f"Consul session {session_id} ({name!r} on node {node})"},
         )
 
-    def _recipe_keys(self, prefix: str) -> list[str]:
-        """Lease keys with a recipe's entries under the KV path ``prefix``: a ``.lock``
-        names its folder (a semaphore, or consul-lock's lock); any other entry not under
-        such a folder is a lock key itself (api, acquire)."""
+    def holders_of(self, key: str) -> list[LeaseInfo]:
+        def read() -> list[LeaseInfo]:
+            return self._holders(key, self.connection.read(self._path(key)))
 
-        def listing() -> list[str]:
-            query = {"keys": True}
-            path = f"/v1/kv/{self.settings.root}{prefix}"
-            answer = self.http.call("GET", path, query=query, expect=(200, 404))
-            return (answer.json() or []) if answer.status == 200 else []
+        return self.connection.call(f"reading the holders of {key!r}", read)
 
-        root = self.settings.root
-        paths = [
-            p[len(root) :]
-            for p in self._call(f"listing holders under {prefix!r}", listing)
-            if p.startswith(root) and not p.startswith(root + OWN_FOLDER)
-        ]
-        folders = {p[: -len(SEMAPHORE_KEY) - 1] for p in paths if p.endswith("/" + SEMAPHORE_KEY)}
-        plain = [p for p in paths if not any(p.startswith(f + "/") for f in folders)]
-        return sorted(folders | set(plain))
+    def holders(self, prefix: str = "") -> list[LeaseInfo]:
+        """The holders of every key under the KV path ``prefix``, from one listing."""
+        root = self.connection.settings.root
 
-    def _recipe_free_for(
+        def read() -> list[LeaseInfo]:
+            _, listed = self.connection.list(root + prefix)
+            entries = {e.key: e for e in listed if not e.key.startswith(root + OWN_FOLDER)}
+            keys = {self._key_of(path[len(root) :], e) for path, e in entries.items()}
+            return [
+                info
+                for key in sorted(k for k in keys if k and k.startswith(prefix))
+                for info in self._holders(
+                    key, {p: e for p, e in entries.items() if p.startswith(self._path(key))}
+                )
+            ]
+
+        return self.connection.call(f"listing holders under {prefix!r}", read)
+
+    def _key_of(self, path: str, entry: Entry) -> Optional[str]:
+        """The lease key whose lock or semaphore record ``entry`` (at ``path`` under the
+        URL's folder) is; None for a contender entry (or an entry of no lease)."""
+        folder, _, last = path.rpartition("/")
+        if last == SEMAPHORE_KEY and (self.lock_key or entry.flags == self.semaphore_flag):
+            return folder
+        return path if not self.lock_key and entry.flags != SEMAPHORE_FLAG else None
+
+    def _free_for(
         self, key: str, entries: Mapping[str, Entry], line: Optional[Entry], claimant
     ) -> bool:
         """Whether ``claimant`` would find a slot free and be first in line."""
-        path = self._path(key)
-        mutex = entries.get(self._mutex_path(key))
-        sem = entries.get(go_path_join(path, SEMAPHORE_KEY))
-        if mutex is not None and mutex.session and mutex.flags != SEMAPHORE_FLAG:
+        _, limit, live = self._semaphore(key, entries)
+        if self._locked(key, entries) is not None or (live and len(live) >= limit):
             return False
-        if sem is not None and sem.flags == SEMAPHORE_FLAG and self.recipe != "acquire":
-            limit, holders = _holders_of(sem, key, sem.key)
-            if len(_pruned(holders, entries)) >= max(limit, 1):
-                return False
-        now = self.store_time()
-        return first_in_line(_mark_value(line, now), claimant, now)
+        now = self.connection.store_time()
+        return first_in_line(mark_value(line, now), claimant, now)
 
-    def _recipe_wait(self, key: str, timeout: float, claimant: Optional[str]) -> None:
-        deadline = time.monotonic() + timeout
+    def wait(self, key: str, timeout: float, claimant: Optional[str] = None) -> None:
+        """Blocking queries on the key's path, in api/lock.go Lock's order: each answers
+        with what lives there, and returns at once when it shows a slot free (the key's
+        session empty) for ``claimant``, first in line; what it saw is the next grant's
+        pin (:meth:`_lock`). The line lives elsewhere: read at the start, and again
+        whenever a query ends without a change. A key whose lock was refused though
+        free (Consul's lock delay) is not tried again for LOCK_RETRY_TIME, as Go's
+        waiter does not."""
+        connection = self.connection
         path, line = self._path(key), self.layout.mark(key, LINE)
-        index = 0
-        while True:
-            entries = self._read(path, line)
-            line_entry = entries.pop(line, None)
-            if self._recipe_free_for(key, entries, line_entry, claimant):
-                return
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            block = min(remaining, MAX_BLOCK)
-            query: dict[str, Any] = {"keys": True}
-            if index:
-                query.update(index=index, wait=f"{max(1, int(block * 1000))}ms")
-            answer = self.http.call(
-                "GET",
-                f"/v1/kv/{path}",
-                query=query,
-                expect=(200, 404),
-                timeout=self.http.timeout + block,
-            )
-            new = answer.index
-            index = new if new >= index else 0
+        state = connection.process()
 
-    def _recipe_force_release(self, key: str) -> int:
+        def wait() -> None:
+            deadline = time.monotonic() + timeout
+            index, listed = connection.list(path)
+            line_entry = connection.get(line)
+            while True:
+                entries = {entry.key: entry for entry in listed}
+                delayed = state.delayed.get(key, 0.0) - time.monotonic()
+                if delayed <= 0:
+                    state.delayed.pop(key, None)
+                if delayed <= 0 and self._free_for(key, entries, line_entry, claimant):
+                    state.seen[key] = (entries, line_entry)
+                    return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                connection.refresh()  # so that a grant right after the wake is one request
+                block = min(remaining, MAX_BLOCK, delayed if delayed > 0 else MAX_BLOCK)
+                new, listed = connection.list(path, index, block)
+                if new == index:
+                    line_entry = connection.get(line)
+                index = new if new >= index else 0
+
+        connection.call(f"waiting on {key!r}", wait)
+
+    def force_release(self, key: str) -> int:
         """Free this library's holders of ``key`` (a lock unlocked, a slot given up);
-        another client's holder is left alone: never touch what we did not write."""
-        entries = self._recipe_entries(key)
-        mutex = entries.get(self._mutex_path(key))
-        freed = 0
-        for info in self._recipe_holders(key, entries):
-            if "foreign" in info.holder:
-                continue
-            ours = mutex is not None and mutex.record().get("owner") == info.owner
-            lease = Lease(key, info.owner, info.fencing_token or 0, 0.0, 1 if ours else 2)
-            if self.release(lease):
-                freed += 1
-        return freed
+        another client's holder is left alone: never touch what we did not write. A
+        semaphore record left without holders is deleted, as api/semaphore.go Destroy
+        does (DeleteCAS once no live holder is in it): the key is then free for a lock
+        too, which `consul lock` takes at that very path."""
+        connection = self.connection
 
-    def _recipe_check_cleanup(self, probe_key: str) -> None:
-        """The start-up check's probe leaves its lock key unlocked, as api.Lock's
-        release does: delete it (api/lock.go Destroy: our flags, no session, DeleteCAS)."""
+        def force() -> int:
+            entries = connection.read(self._path(key))
+            mutex = entries.get(self._mutex_path(key))
+            freed = 0
+            for info in self._holders(key, entries):
+                if "foreign" in info.holder:
+                    continue
+                ours = mutex is not None and mutex.record().get("owner") == info.owner
+                lease = Lease(key, info.owner, info.fencing_token or 0, 0.0, 1 if ours else 2)
+                freed += bool(self.release(lease))
+            sem, _, live = self._semaphore(key, connection.read(self._path(key)))
+            if sem is not None and not live:
+                with contextlib.suppress(TxnConflict):  # a holder came meanwhile
+                    connection.txn([op("delete-cas", sem.key, index=sem.modify_index)])
+            return freed
+
+        return self.connection.call(f"force-releasing {key!r}", force)
+
+    def store_time(self) -> float:
+        return self.connection.store_time()
+
+    # -- records, marks --------------------------------------------------------------------
+
+    def read_record(self, lease_key: str, name: str) -> Optional[str]:
+        path = self.layout.record(lease_key, name)
+        action = f"reading the record {name!r} of {lease_key!r}"
+        entry = self.connection.call(action, self.connection.get, path)
+        return None if entry is None else entry.value.decode("utf-8", "surrogatepass")
+
+    def write_record(self, lease: Lease, name: str, value: str) -> bool:
+        """A fenced write: one transaction checks that the lease still holds (its proof
+        as in ``renew``; a slot's by its own session) and sets the record."""
+        state = self.connection.process()
+        if lease.limit == 1 and state.held.get(lease.key) != (lease.owner, lease.fencing_token):
+            return False  # another lease of this process, or none
+        return self.connection.write_fenced(
+            f"writing the record {name!r} of {lease.key!r}",
+            self._proof(lease),
+            self.layout.record(lease.key, name),
+            value,
+        )
+
+    def read_mark(self, key: str, kind: str) -> Optional[str]:
+        path = self.layout.mark(key, kind)
+        return self.connection.read_mark(path, f"reading the {kind} mark of {key!r}")
+
+    def swap_mark(
+        self, key: str, kind: str, expected: Optional[str], new: Optional[str], ttl: float
+    ) -> bool:
+        path, action = self.layout.mark(key, kind), f"changing the {kind} mark of {key!r}"
+        return self.connection.swap_mark(path, expected, new, ttl, action)
+
+    # -- the start-up check, close ---------------------------------------------------------
+
+    def check(self, probe_key: str) -> list[str]:
+        """The protocol's default check, then the probe's key deleted (it is left
+        unlocked, as api.Lock's release leaves it: api/lock.go Destroy, our flags, no
+        session, DeleteCAS), plus what only Consul has."""
+        warnings: list[str] = super().check(probe_key)  # type: ignore[misc]
         path = self._mutex_path(probe_key)
-        entry = self._get(path)
-        if entry is not None and not entry.session and entry.flags == self._flag():
-            self.http.call(
-                "DELETE", f"/v1/kv/{path}", query={"cas": entry.modify_index}, write=True
-            )
 
-    def _recipe_close(self) -> None:
+        def tidy() -> None:
+            entry = self.connection.get(path)
+            if entry is not None and not entry.session and entry.flags == (self.lock_flag or 0):
+                query = {"cas": entry.modify_index}
+                self.connection.http.call("DELETE", f"/v1/kv/{path}", query=query, write=True)
+
+        self.connection.call("tidying the start-up check", tidy)
+        return warnings + self.connection.warnings()
+
+    def close(self) -> None:
         """Unlock what this process still holds (no lock delay, unlike a destroyed
-        session), give up its slots, then destroy its session."""
-        state = self._process()
-        with state.lock:
-            session_id, state.session_id = state.session_id, None
-            held = [(key, token) for key, (_owner, token) in state.held.items() if token]
-            slots = list(state.slot_sessions.values())
-            state.held.clear()
-            state.slot_sessions.clear()
-        try:
-            for key, token in held:
-                path = self._mutex_path(key)
-                with contextlib.suppress(TxnConflict):
-                    unlock = op("unlock", path, session=session_id, flags=self._flag())
-                    self._txn([op("check-index", path, index=token), unlock])
-            for slot in slots + ([session_id] if session_id else []):
-                self._destroy(slot)
-        except (ConsulError, ExclusiveError) as exc:
-            logger.warning("Could not close Consul sessions at %s (%s).", self.safe_url, exc)
-        self.http.close()
+        session), give up its slots, then destroy its sessions."""
+
+        def free(key: str, token: int, session_id: str) -> None:
+            path = self._mutex_path(key)
+            unlock = op("unlock", path, session=session_id, flags=self.lock_flag or 0)
+            self.connection.txn([op("check-index", path, index=token), unlock])
+
+        self.connection.close(free)
+
+
+class ApiRecipe(HashiCorpRecipe, Backend):
+    """``?recipe=api``: HashiCorp's ``api.Lock`` on the key's path, ``api.Semaphore`` on
+    it as a prefix."""
+
+    recipe = "api"
+    capabilities = Capabilities(limits=True, records=True, marks=True)
+
+
+class ConsulLockRecipe(HashiCorpRecipe, Backend):
+    """``?recipe=consul-lock``: the ``consul lock`` command, which takes ``api.Lock`` on
+    ``path/.lock`` and (``-n N``) ``api.Semaphore`` on ``path``."""
+
+    recipe = "consul-lock"
+    capabilities = Capabilities(limits=True, records=True, marks=True)
+    lock_key = SEMAPHORE_KEY  # command/lock/lock.go setupLock: path.Join(prefix, ".lock")
+
+
+class AcquireRecipe(HashiCorpRecipe, Backend):
+    """``?recipe=acquire``: the leader-election guide's plain ``KV().Acquire(path,
+    session)``: no flags, one holder at a time."""
+
+    recipe = "acquire"
+    capabilities = Capabilities(records=True, marks=True)
+    lock_flag = None
+    semaphore_flag = None

@@ -29,8 +29,9 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
+from ..base import LeaseInfo
 from .http import MAX_LOCK_DELAY, REQUEST_TIMEOUT, format_duration
 
 #: Consul's session TTL bounds (structs.SessionTTLMax; session_ttl_min defaults to 10 s).
@@ -62,6 +63,17 @@ def create_body(name: str, ttl: float, behavior: str, lock_delay: float) -> dict
     }
 
 
+@dataclass(frozen=True)
+class SessionLeaseInfo(LeaseInfo):
+    """A lease that lives as long as its holder's session: when it was last extended is
+    unknown, since Consul does not say when a session was last renewed, and its
+    ``expires_in`` (a session's TTL, for another process's) tells nothing of it."""
+
+    @property
+    def renewed_ago(self) -> Optional[float]:
+        return None
+
+
 @dataclass
 class Orphan:
     """A lock this process may hold without a lease: a release or an acquire whose
@@ -90,6 +102,10 @@ class ProcessState:
     #: ``?recipe=`` semaphore slots: owner -> the session of its own holding the slot
     #: (Consul's semaphore keys holders by session, one slot each).
     slot_sessions: dict[str, str] = field(default_factory=dict)
+    #: ``?recipe=`` keys a wait saw free: their entries and line, the next grant's pins.
+    seen: dict[str, tuple[dict[str, Any], Optional[Any]]] = field(default_factory=dict)
+    #: ``?recipe=`` keys whose lock was refused in a lock delay -> when to try again.
+    delayed: dict[str, float] = field(default_factory=dict)
 
     def forget_session(self, session_id: str) -> None:
         """The session is gone, and with it every lock it had."""

@@ -14,7 +14,7 @@ import uuid
 import pytest
 
 from celery_exclusive.backends import Lease
-from celery_exclusive.backends.consul import MIN_SESSION_TTL, ConsulBackend
+from celery_exclusive.backends.consul import MIN_SESSION_TTL, ConsulBackend, ConsulConnection
 from celery_exclusive.backends.consul.kv import pack_mark, unpack_mark
 from celery_exclusive.backends.line import LINE
 from celery_exclusive.core import marks
@@ -47,11 +47,11 @@ def backends(consul_url):
 
 
 def session_of(backend: ConsulBackend) -> str:
-    return backend._process().session_id
+    return backend.connection.process().session_id
 
 
 def folder_entries(emulator: ConsulEmulator, backend: ConsulBackend) -> list[str]:
-    return [k for k in emulator.kv if k.startswith(backend.settings.root)]
+    return [k for k in emulator.kv if k.startswith(backend.connection.settings.root)]
 
 
 # --- sessions -------------------------------------------------------------------------
@@ -60,7 +60,7 @@ def folder_entries(emulator: ConsulEmulator, backend: ConsulBackend) -> list[str
 def test_a_short_ttl_is_clamped_to_consuls_minimum_with_one_warning(
     backends, monkeypatch, caplog, emulator
 ):
-    monkeypatch.setattr(ConsulBackend, "min_session_ttl", MIN_SESSION_TTL)
+    monkeypatch.setattr(ConsulConnection, "min_session_ttl", MIN_SESSION_TTL)
     backend = backends()
     with caplog.at_level(logging.WARNING, logger="celery_exclusive"):
         first = backend.try_acquire("a", owner(), 2)
@@ -82,7 +82,7 @@ def test_leases_of_one_process_share_one_session(backends, emulator):
     holders = {
         e["Session"]
         for k, e in emulator.kv.items()
-        if e["Session"] and k.startswith(backend.settings.root)
+        if e["Session"] and k.startswith(backend.connection.settings.root)
     }
     assert holders == {session_of(backend)}
 
@@ -340,9 +340,9 @@ def _since(emulator: ConsulEmulator, before: int) -> list[tuple[str, str]]:
 
 
 def _after_first(monkeypatch, backend: ConsulBackend, method: str, meddle) -> None:
-    """Run ``meddle`` right after ``backend``'s first ``method`` read: another writer
-    slipping in between a read and the write it guards."""
-    read = getattr(backend, method)
+    """Run ``meddle`` right after ``backend``'s first ``method`` read (of its
+    connection): another writer slipping in between a read and the write it guards."""
+    read = getattr(backend.connection, method)
     done = []
 
     def read_then_meddle(*args, **kwargs):
@@ -352,7 +352,7 @@ def _after_first(monkeypatch, backend: ConsulBackend, method: str, meddle) -> No
             meddle()
         return result
 
-    monkeypatch.setattr(backend, method, read_then_meddle)
+    monkeypatch.setattr(backend.connection, method, read_then_meddle)
 
 
 def test_a_mark_is_its_expiry_and_raw_value_in_the_keys_folder(backends, emulator):
@@ -386,7 +386,7 @@ def test_a_swap_whose_write_loses_to_an_equal_value_compares_again(backends, mon
     backend, rival = backends(), backends()
     backend.swap_mark("m", "x", None, "a", 10)
     # The rival refreshes the mark (same value, new ModifyIndex) between read and CAS.
-    _after_first(monkeypatch, backend, "_get", lambda: rival.swap_mark("m", "x", "a", "a", 10))
+    _after_first(monkeypatch, backend, "get", lambda: rival.swap_mark("m", "x", "a", "a", 10))
     assert backend.swap_mark("m", "x", "a", "b", 10) is True
     assert backend.read_mark("m", "x") == "b"
 
@@ -394,7 +394,7 @@ def test_a_swap_whose_write_loses_to_an_equal_value_compares_again(backends, mon
 def test_a_swap_whose_write_loses_to_another_value_fails(backends, monkeypatch):
     backend, rival = backends(), backends()
     backend.swap_mark("m", "x", None, "a", 10)
-    _after_first(monkeypatch, backend, "_get", lambda: rival.swap_mark("m", "x", "a", "c", 10))
+    _after_first(monkeypatch, backend, "get", lambda: rival.swap_mark("m", "x", "a", "c", 10))
     assert backend.swap_mark("m", "x", "a", "b", 10) is False
     assert backend.read_mark("m", "x") == "c"
 
@@ -490,7 +490,7 @@ def test_a_refusing_line_writes_nothing(backends, emulator, limit):
     assert emulator.state.kv.index == index
 
 
-@pytest.mark.parametrize("limit, read", [(1, "_get"), (2, "_read")])
+@pytest.mark.parametrize("limit, read", [(1, "get"), (2, "read")])
 def test_a_line_changed_between_read_and_grant_refuses_the_grant(
     backends, monkeypatch, limit, read
 ):

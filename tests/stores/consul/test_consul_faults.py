@@ -19,6 +19,7 @@ from click.testing import CliRunner
 
 from celery_exclusive.backends.consul import (
     ConsulBackend,
+    ConsulConnection,
     ConsulDatacenterError,
     ConsulPermissionDenied,
     ConsulValueTooLarge,
@@ -37,7 +38,7 @@ def owner() -> str:
 @pytest.fixture
 def start(monkeypatch):
     """Start an emulator with the given options; stop it (and its backends) after."""
-    monkeypatch.setattr(ConsulBackend, "min_session_ttl", 0.25)
+    monkeypatch.setattr(ConsulConnection, "min_session_ttl", 0.25)
     started, made = [], []
 
     def start(**options) -> ConsulEmulator:
@@ -140,7 +141,7 @@ def test_a_release_answered_no_cluster_leader_is_retried_until_it_is_done(start,
 
 def test_a_release_whose_answer_is_lost_frees_the_key_by_the_next_heartbeat(start, consul):
     holder, other = start.backend(consul), start.backend(consul)
-    holder.http.retry_budget, holder.settle_budget = 0.2, 0.2
+    holder.connection.http.retry_budget, holder.connection.settle_budget = 0.2, 0.2
     lease = holder.try_acquire("a", owner(), 10)
     kept = holder.try_acquire("b", owner(), 10)
     leaderless_for(consul, 1.0, hold=0.05)
@@ -154,7 +155,7 @@ def test_a_release_whose_answer_is_lost_frees_the_key_by_the_next_heartbeat(star
 def test_an_acquire_whose_commit_lands_after_the_timeout_never_orphans_the_key(start, consul):
     holder, other = start.backend(consul), start.backend(consul)
     kept = holder.try_acquire("b", owner(), 10)
-    holder.http.timeout = 0.3
+    holder.connection.http.timeout = 0.3
     leaderless_for(consul, 0.6, hold=3.0)  # the lock is held 0.6 s, then commits
     try:
         lease = holder.try_acquire("a", owner(), 10)
@@ -171,17 +172,17 @@ def test_an_acquire_whose_commit_lands_after_the_timeout_never_orphans_the_key(s
 
 def test_a_mark_swap_whose_answer_is_lost_is_read_back(start, consul, monkeypatch):
     backend = start.backend(consul)
-    backend.http.timeout = 0.3
+    backend.connection.http.timeout = 0.3
     backend.store_time()
-    read = backend._get
+    read = backend.connection.get
 
     def read_then_lose_the_leader(*args, **kwargs):
         entry = read(*args, **kwargs)
         leaderless_for(consul, 0.6, hold=3.0)  # the write is held, then lands late
-        monkeypatch.setattr(backend, "_get", read)
+        monkeypatch.setattr(backend.connection, "get", read)
         return entry
 
-    monkeypatch.setattr(backend, "_get", read_then_lose_the_leader)
+    monkeypatch.setattr(backend.connection, "get", read_then_lose_the_leader)
     assert backend.swap_mark("k", "rerun", None, "pending", 30) is True
     assert backend.read_mark("k", "rerun") == "pending"
 
@@ -196,7 +197,7 @@ def test_429_and_no_cluster_leader_are_retried_with_backoff(start, consul):
 
 def test_a_store_leaderless_past_the_retry_budget_is_unavailable_not_held(start, consul):
     backend = start.backend(consul)
-    backend.http.retry_budget = 0.3
+    backend.connection.http.retry_budget = 0.3
     leaderless_for(consul, 2.0, hold=0.05)
     with pytest.raises(BackendUnavailable, match="No cluster leader"):
         backend.try_acquire("a", owner(), 10)
@@ -219,7 +220,7 @@ def test_a_failing_serf_check_does_not_take_a_running_workers_lease(start, consu
 def test_after_a_node_deregistration_nobody_takes_the_key_before_its_holder_notices(start, consul):
     holder, other = start.backend(consul, ""), start.backend(consul, "")
     lease = holder.try_acquire("k", owner(), 10)
-    session = consul.sessions[holder._process().session_id]
+    session = consul.sessions[holder.connection.process().session_id]
     assert session.lock_delay == pytest.approx(10 / 3 + REQUEST_TIMEOUT, abs=0.01)
     consul.deregister_node()  # the agent left: Consul destroys every session of its node
     consul.register_node()

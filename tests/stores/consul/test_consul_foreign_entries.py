@@ -91,7 +91,7 @@ def test_the_stores_own_unlocked_leftover_is_taken_over(consul_url, emulator):
     key = f"invoice:{uuid.uuid4().hex}"
     first = ConsulBackend(consul_url + "&behavior=release")
     lease = first.try_acquire(key, uuid.uuid4().hex, 10.0)
-    emulator.invalidate(first._process().session_id)
+    emulator.invalidate(first.connection.process().session_id)
     leftover = emulator.kv[first.layout.lock(key)]
     assert leftover["Session"] is None and json.loads(leftover["Value"])["owner"] == lease.owner
 

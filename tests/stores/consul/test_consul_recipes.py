@@ -6,6 +6,7 @@ deleted by the other."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -14,7 +15,10 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from celery_exclusive.backends.consul import ConsulBackend
+from celery_exclusive.backends import Backend, _load
+from celery_exclusive.core import marks
+from celery_exclusive.core.lease import acquire
+from celery_exclusive.core.lock import ExclusiveLock
 from celery_exclusive.errors import ConfigurationError
 from tests.support import consul_api as api
 from tests.support.consul_emulator import ConsulEmulator, EmulatedConsul
@@ -39,8 +43,8 @@ def store(consul_url, consul_server):
     path Go names (test keys are random); closed after the test."""
     made = []
 
-    def make(recipe: str, folder: str = "") -> ConsulBackend:
-        made.append(ConsulBackend(f"{consul_server.url}/{folder}?lock_delay=0&recipe={recipe}"))
+    def make(recipe: str, folder: str = "") -> Backend:
+        made.append(_load(f"{consul_server.url}/{folder}?lock_delay=0&recipe={recipe}"))
         return made[-1]
 
     yield make
@@ -110,6 +114,97 @@ def test_waiting_on_a_go_holder_wakes_when_it_unlocks(store, go):
     assert backend.try_acquire(key, owner(), 10.0) is not None
 
 
+#: How long each Go client below holds the key before the next one locks it.
+HOLD = 0.5
+
+
+def go_relay(go: api.Client, key: str, count: int) -> tuple[threading.Event, list[float]]:
+    """``count`` Go clients locking ``key`` back to back, in turn, each holding it HOLD
+    seconds and each calling Lock again as soon as the one before unlocked, until the
+    returned event is set; the list receives when each of their locks was taken."""
+    stop, taken = threading.Event(), []
+
+    def relay() -> None:
+        for turn in itertools.count():
+            lock = go_lock(go, key, wait=HOLD)
+            lock.opts.SessionName = f"Go client {turn % count}"
+            if lock.Lock(stop) is not None:
+                taken.append(time.monotonic())
+                stop.wait(HOLD)
+                lock.Unlock()
+            if stop.is_set():
+                return
+
+    threading.Thread(target=relay, daemon=True).start()
+    return stop, taken
+
+
+def test_a_waiter_among_go_clients_relocking_back_to_back_is_served_at_the_next_release(
+    store, consul_server, go
+):
+    """Go's waiter, woken with the key unlocked, locks it at once (api/lock.go Lock):
+    ours does too, so it is served at the next release, before a Go client that only
+    then starts to lock (a session to create, a read, the acquire)."""
+    key = path()
+    lock = ExclusiveLock(key, f"{consul_server.url}/?lock_delay=0&recipe=api", 10.0, wait=9.0)
+    stop, taken = go_relay(go, key, 3)
+    went_before = []
+    try:
+        for _ in range(5):
+            time.sleep(1.5 * HOLD)  # into a Go client's hold
+            started = time.monotonic()
+            lock.acquire().release()
+            went_before.append(sum(1 for at in taken if at > started))
+    finally:
+        stop.set()
+    assert went_before == [0] * 5, f"Go locks taken while ours waited: {went_before}"
+
+
+def test_a_waiter_woken_by_a_go_unlock_locks_the_key_in_one_request(store, go, emulator):
+    """api/lock.go Lock: the blocking query returns with the key's session empty, and
+    the acquire follows at once; ours too, with the line read before the wake."""
+    backend, key = store("api"), path()
+    lock = go_lock(go, key)
+    lock.Lock()
+    marks.take_place(backend, key, "waiter", 10.0)
+    assert backend.try_acquire(key, owner(), 10.0, claimant="waiter") is None  # a session
+    granted = []
+
+    def waiter() -> None:
+        backend.wait(key, 10.0, "waiter")
+        granted.append(backend.try_acquire(key, owner(), 10.0, claimant="waiter"))
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    time.sleep(0.5)  # in its blocking query
+    before = len(emulator.requests)
+    lock.Unlock()
+    thread.join(10)
+    ours = [r for r in emulator.requests[before:] if r[1] != f"/v1/kv/{key}"]
+    assert granted[0] is not None
+    assert [r for r in ours if not r[1].startswith("/v1/session/")] == [("PUT", "/v1/txn")]
+
+
+def test_a_waiter_woken_into_a_lock_delay_tries_again_after_gos_retry_time(
+    store, consul_server, go, emulator
+):
+    """Consul refuses a lock in the delay after its holder's session died; Go's waiter,
+    refused though the key was free, waits DefaultLockRetryTime before it tries again
+    (api/lock.go Lock), and so does ours: once, not in a loop."""
+    key = path()
+    holder = api.Lock(go, api.LockOptions(Key=key, LockDelay=1.0))
+    holder.Lock()
+    lock = ExclusiveLock(key, f"{consul_server.url}/?lock_delay=0&recipe=api", 10.0, wait=9.0)
+    threading.Timer(0.5, emulator.invalidate, [emulator.kv[key]["Session"]]).start()
+    before = len(emulator.requests)
+    started = time.monotonic()
+    lock.acquire().release()
+    assert 1.5 < time.monotonic() - started < 9.0
+    # Each try is a transaction or two, and the release one: not one every few ms.
+    transactions = emulator.requests[before:].count(("PUT", "/v1/txn"))
+    assert transactions < 10, f"{transactions} transactions"
+
+
 def test_fencing_tokens_rise_across_go_holders(store, go):
     backend, key = store("api"), path()
     tokens = []
@@ -142,7 +237,7 @@ def test_a_second_lease_of_one_process_on_a_held_key_is_refused_and_the_first_ke
     backend, key = store("api"), path()
     first = backend.try_acquire(key, owner(), 10.0)
     assert backend.try_acquire(key, owner(), 10.0) is None
-    assert backend._process().held[key] == (first.owner, first.fencing_token)
+    assert backend.connection.process().held[key] == (first.owner, first.fencing_token)
 
 
 def test_a_lost_lock_is_reported_by_renew(store, emulator):
@@ -205,7 +300,7 @@ def test_another_limit_than_the_records_is_refused(store, go):
 def test_a_slot_whose_session_dies_is_lost_and_pruned_by_go(store, go, emulator):
     backend, where = store("api"), path()
     lease = backend.try_acquire(where, owner(), 10.0, limit=1 + 1)
-    slot = backend._process().slot_sessions[lease.owner]
+    slot = backend.connection.process().slot_sessions[lease.owner]
     emulator.invalidate(slot)
     assert backend.renew([lease]) == {lease}
     taking = [api.Semaphore(go, api.SemaphoreOptions(Prefix=where, Limit=2)) for _ in "ab"]
@@ -273,7 +368,7 @@ def test_plain_acquire_excludes_both_ways_and_leaves_the_key(store, go, emulator
 
 def test_plain_acquire_refuses_a_limit(store):
     with pytest.raises(ConfigurationError, match="recipe=acquire"):
-        store("acquire").try_acquire(path(), owner(), 10.0, limit=2)
+        acquire(store("acquire"), path(), 10.0, limit=2)
 
 
 def test_the_urls_folder_comes_before_the_key(store, go, emulator):
@@ -294,7 +389,7 @@ def test_the_stores_own_entries_stay_out_of_the_recipes_paths(store, emulator):
 
 def test_an_unknown_recipe_is_refused_at_once(consul_url):
     with pytest.raises(ConfigurationError, match="recipe='lock'"):
-        ConsulBackend(consul_url + "&recipe=lock")
+        _load(consul_url + "&recipe=lock")
 
 
 def test_the_start_up_check_leaves_nothing_behind(store, emulator):
