@@ -172,6 +172,10 @@ BACKEND_CASES = {
     # etcd leases last whole seconds, one at least.
     "etcd": lambda request: BackendCase(request.getfixturevalue("etcd_url"), short_ttl=1.0),
     "mongodb": lambda request: BackendCase(request.getfixturevalue("mongodb_url")),
+    # The MongoDB store speaking the TTL-lease document (?recipe=ttl-lease).
+    "mongodb-ttl-lease": lambda request: BackendCase(
+        request.getfixturevalue("mongodb_url") + "?recipe=ttl-lease"
+    ),
     "postgresql": lambda request: BackendCase(request.getfixturevalue("postgresql_url")),
     "redis-cluster": lambda request: BackendCase(request.getfixturevalue("redis_cluster_url")),
     "consul": lambda request: BackendCase(
