@@ -32,9 +32,10 @@ the document ``{_id: K}`` of that collection (``job_leases`` unless named). So:
   changes nothing. A document without a date ``expiresAt`` is no lease of the recipe:
   never taken, and never expiring.
 - **A foreign holder** (a live document whose ``owner`` is not the one our record names)
-  makes our duplicates skip, wait or requeue, and is named: its ``owner``,
-  ``generation`` and ``expiresAt``. Our waiters look every few hundred milliseconds, as
-  the store always does.
+  makes our duplicates skip, wait or requeue, and is named by what its document says:
+  its fields (``owner``, ``generation``, ``expiresAt``, a host or pid its client adds),
+  but a record of ours its takeover left behind. Our waiters look every few hundred
+  milliseconds, as the store always does.
 - **Never touched**: only documents whose ``owner`` is ours are renewed or deleted,
   ``force_release`` included; a foreign document is never rewritten, whatever it holds,
   unless the recipe itself says it is free (expired, or bare).
@@ -60,6 +61,8 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any, Optional
 
+from bson import json_util
+
 from ...errors import BackendUnavailable, ConfigurationError, ExclusiveError
 from ..base import NO_END, Backend, Capabilities, End, Lease, LeaseInfo, MarkRead
 from ..line import LINE, admit, entries_of, first_in_line
@@ -73,6 +76,9 @@ DEFAULT_COLLECTION = "job_leases"
 #: Where a lease document we write keeps what is ours: owner, token, ttl, holder record.
 FIELD = "celery_exclusive"
 FOREIGN = "a MongoDB TTL-lease document"
+#: A foreign holder is named by this many fields of its document at most, each value
+#: cut to this many characters: a lease document may carry anything.
+NAMED_FIELDS, NAMED_LENGTH = 8, 60
 
 #: The document has a date ``expiresAt``: it is a lease of the recipe.
 HAS_EXPIRY = {"$eq": [{"$type": "$expiresAt"}, "date"]}
@@ -97,8 +103,6 @@ OURS = {
 #: A lease document as :meth:`TtlLeaseBackend.holders` reads it, with its time left (ms).
 DESCRIBED = {
     "owner": 1,
-    "generation": 1,
-    "expiresAt": 1,
     FIELD: 1,
     "live": LIVE,
     "free": FREE,
@@ -291,11 +295,9 @@ class TtlLeaseBackend(Backend):
     # --- who holds what ---------------------------------------------------------------
 
     def holders_of(self, key: str) -> list[LeaseInfo]:
-        return [
-            self._described(doc)
-            for doc in self._documents({"_id": key}, f"reading {key!r}")
-            if not doc["free"]
-        ]
+        # The whole document: a foreign holder is named by what it says.
+        found = self._documents({"_id": key}, f"reading {key!r}", document="$$ROOT")
+        return [self._described(doc) for doc in found if not doc["free"]]
 
     def holders(self, prefix: str = "") -> list[LeaseInfo]:
         # Ours only: under a prefix, a foreign document is somebody else's lock.
@@ -309,8 +311,8 @@ class TtlLeaseBackend(Backend):
             and doc.get("live")
         ]
 
-    def _documents(self, match: dict, action: str) -> list[dict]:
-        return self.connection.aggregate(action, match, DESCRIBED, self.lease_documents)
+    def _documents(self, match: dict, action: str, **more: str) -> list[dict]:
+        return self.connection.aggregate(action, match, {**DESCRIBED, **more}, self.lease_documents)
 
     def _described(self, doc: dict) -> LeaseInfo:
         left = doc.get("left")
@@ -320,19 +322,8 @@ class TtlLeaseBackend(Backend):
             return LeaseInfo(
                 doc["_id"], mine["owner"], int(mine["token"]), expires_in, mine.get("holder") or {}
             )
-        owner = doc.get("owner")
-        shown = {
-            "owner": owner,
-            "generation": doc.get("generation"),
-            "expiresAt": doc.get("expiresAt"),
-        }
-        fields = ", ".join(
-            f"{name} {value!r}" for name, value in shown.items() if value is not None
-        )
-        if not isinstance(doc.get("expiresAt"), datetime.datetime):
-            fields += ", no expiresAt date: it never expires"
-        described = {"foreign": f"{FOREIGN} in {self.lease_documents[0]} ({fields})"}
-        return LeaseInfo(doc["_id"], str(owner), None, expires_in, described)
+        named = f"{FOREIGN} in {self.lease_documents[0]} ({_fields(doc.get('document') or {})})"
+        return LeaseInfo(doc["_id"], str(doc.get("owner")), None, expires_in, {"foreign": named})
 
     # --- records and marks (the key's own document), the store's clock, the check ------
 
@@ -360,3 +351,28 @@ class TtlLeaseBackend(Backend):
 
     def check(self, probe_key: str) -> list[str]:
         return super().check(probe_key) + self.connection.warnings()
+
+
+def _fields(document: Mapping[str, Any]) -> str:
+    """What a foreign lease document says, for people: its fields in its order but its
+    ``_id`` (the key) and a record of ours that a takeover left behind (``owner 'node-a',
+    host 'billing-7', generation 3, expiresAt 2026-05-29T18:00:00.000Z``)."""
+    fields = [(name, value) for name, value in document.items() if name not in ("_id", FIELD)]
+    shown = [f"{name} {_value(value)}" for name, value in fields[:NAMED_FIELDS]]
+    if len(fields) > NAMED_FIELDS:
+        shown.append(f"{len(fields) - NAMED_FIELDS} more fields")
+    if not isinstance(document.get("expiresAt"), datetime.datetime):
+        shown.append("no expiresAt date: it never expires")
+    return ", ".join(shown)
+
+
+def _value(value: Any) -> str:
+    """A BSON value for people: a date in UTC as ISO 8601 (as MongoDB's shell writes
+    it), a string quoted, anything else as extended JSON; cut to :data:`NAMED_LENGTH`."""
+    if isinstance(value, datetime.datetime):
+        moment = value if value.tzinfo else value.replace(tzinfo=datetime.timezone.utc)
+        text = moment.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")
+        text = text[:-3] + "Z"
+    else:
+        text = repr(value) if isinstance(value, str) else json_util.dumps(value)
+    return text if len(text) <= NAMED_LENGTH else text[: NAMED_LENGTH - 3] + "..."

@@ -205,6 +205,48 @@ def test_a_document_without_an_expiry_date_is_never_taken_nor_rewritten(recipe_s
     assert leases.find_one({"_id": KEY}) == before
 
 
+def test_a_foreign_holder_is_named_by_every_field_its_document_has(recipe_url, leases):
+    # Lease documents of other clients carry more than the article's: who, where, since.
+    expires = utcnow().replace(microsecond=0) + datetime.timedelta(seconds=30)
+    leases.insert_one(
+        {
+            "_id": KEY,
+            "owner": "node-a",
+            "host": "billing-7.internal",
+            "pid": 4242,
+            "generation": 3,
+            "expiresAt": expires,
+        }
+    )
+    outcome = task_call(recipe_url, "task-1")
+    assert isinstance(outcome, outcomes.Skipped)
+    assert (
+        "a MongoDB TTL-lease document in job_leases (owner 'node-a', "
+        "host 'billing-7.internal', pid 4242, generation 3, "
+        f"expiresAt {expires.strftime('%Y-%m-%dT%H:%M:%S')}.000Z)"
+    ) in outcome.holder
+
+
+def test_a_foreign_takeover_is_named_without_the_record_we_left_in_it(recipe_store, leases):
+    ours = recipe_store.try_acquire(KEY, owner(), 0.3, holder={"task_id": "ours-1"})
+    time.sleep(0.4)
+    theirs = node(leases)
+    assert theirs.acquire()  # their takeover keeps the fields it does not set
+    [info] = recipe_store.holders_of(KEY)
+    assert f"owner '{theirs.node}'" in info.holder["foreign"]
+    assert ours.owner not in info.holder["foreign"]
+    assert "ours-1" not in info.holder["foreign"]
+
+
+def test_a_foreign_document_s_long_fields_are_cut_in_its_name(recipe_store, leases):
+    fields = {f"field{i}": "x" * 10_000 for i in range(20)}
+    expires = utcnow() + datetime.timedelta(seconds=60)
+    leases.insert_one({"_id": KEY, "owner": "node-a", **fields, "expiresAt": expires})
+    named = recipe_store.holders_of(KEY)[0].holder["foreign"]
+    assert named.startswith("a MongoDB TTL-lease document in job_leases (owner 'node-a', ")
+    assert "more fields" in named and len(named) < 1_000
+
+
 # --- our holder ---------------------------------------------------------------------------
 
 
