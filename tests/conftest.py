@@ -176,6 +176,10 @@ BACKEND_CASES = {
         request.getfixturevalue("etcd_url") + "?recipe=mutex", short_ttl=1.0
     ),
     "mongodb": lambda request: BackendCase(request.getfixturevalue("mongodb_url")),
+    # The MongoDB store speaking the TTL-lease document (?recipe=ttl-lease).
+    "mongodb-ttl-lease": lambda request: BackendCase(
+        request.getfixturevalue("mongodb_url") + "?recipe=ttl-lease"
+    ),
     "postgresql": lambda request: BackendCase(request.getfixturevalue("postgresql_url")),
     # The PostgreSQL store speaking session advisory locks (?recipe=advisory).
     "postgresql-advisory": lambda request: BackendCase(

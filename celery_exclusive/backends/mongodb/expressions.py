@@ -2,7 +2,7 @@
 each written once. Every time in them is ``$$NOW``: the server's clock, one value per
 command, never a worker's.
 
-A key's document::
+A key's document, in the store's own collection::
 
     {_id: <key>,
      holders: [{o: owner, t: token, exp: Date, ttl: ms, h: {holder record}}, ...],
@@ -12,11 +12,18 @@ A key's document::
      marks: {<kind>: {v: value, exp: Date}},
      records: [{n: name, v: value}],
      gc_at: Date}         # the TTL index's field: only garbage collection
+
+``?recipe=ttl-lease`` keeps its holders in lease documents of their own (:mod:`.recipe`)
+and the rest here, with ``granted`` (the latest token granted, which fences records)
+and ``at`` (the server's time of the latest grant) instead of ``holders`` and ``limit``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, Optional
+
+from ..line import LINE
 
 NOW = "$$NOW"
 
@@ -33,8 +40,9 @@ LIVE = {
 LIVE_OWNERS = {"$map": {"input": LIVE, "as": "h", "in": "$$h.o"}}
 
 #: The next fencing token: the last one + 1, but never below the server's clock in
-#: microseconds, so a document deleted (by the TTL index, by hand) or restored from an
-#: old backup still gives tokens above every one granted before.
+#: microseconds (of a date, which BSON keeps to the millisecond), so a document deleted
+#: (by the TTL index, by hand) or restored from an old backup still gives tokens above
+#: every one granted in an earlier millisecond.
 NEXT_TOKEN = {
     "$max": [
         {"$add": [{"$ifNull": ["$fence", 0]}, 1]},
@@ -45,6 +53,36 @@ NEXT_TOKEN = {
 #: One day: how long a document outlives its last write before the TTL index may
 #: delete it (longer still for longer leases).
 GC_GRACE_MS = 86_400_000
+
+
+def field(kind: str) -> str:
+    """A mark kind as a field name: kinds are short lowercase words; anything else is
+    hex-encoded, so no kind can name a path."""
+    return kind if re.fullmatch(r"[a-z][a-z0-9_]*", kind) else "x" + kind.encode().hex()
+
+
+def under(prefix: str, cursor: Optional[str] = None) -> dict:
+    """A query on ``_id`` for the keys starting with ``prefix`` (after ``cursor``), as a
+    range the ``_id`` index serves; the caller drops what sorts in it without starting
+    so (a prefix ending in the last code point)."""
+    ids: dict = {"$gte": prefix}
+    if cursor is not None:
+        ids["$gt"] = cursor
+    if prefix and ord(prefix[-1]) < 0x10FFFF:  # every key starting with it sorts below
+        ids["$lt"] = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+    return {"_id": ids}
+
+
+def with_record(name: str, value: str) -> dict:
+    """The records with ``name`` set to ``value``."""
+    others = {
+        "$filter": {
+            "input": {"$ifNull": ["$records", []]},
+            "as": "r",
+            "cond": {"$ne": ["$$r.n", {"$literal": name}]},
+        }
+    }
+    return {"$concatArrays": [others, [{"n": {"$literal": name}, "v": {"$literal": value}}]]}
 
 
 def holds(owner: str) -> dict:
@@ -60,6 +98,14 @@ def live_mark(kind: str, field: str = "v") -> dict:
 
 def mark_is_live(kind: str) -> dict:
     return {"$gt": [f"$marks.{kind}.exp", NOW]}
+
+
+def line_set_to(line: Optional[str]) -> dict:
+    """The update stage that leaves the key's line as ``line`` (None: none), keeping its
+    expiry."""
+    if line is None:
+        return {"$unset": f"marks.{LINE}"}
+    return {"$set": {f"marks.{LINE}.v": {"$literal": line}}}
 
 
 def gc_at(ttl_ms: int) -> Any:

@@ -32,9 +32,10 @@ the document ``{_id: K}`` of that collection (``job_leases`` unless named). So:
   changes nothing. A document without a date ``expiresAt`` is no lease of the recipe:
   never taken, and never expiring.
 - **A foreign holder** (a live document whose ``owner`` is not the one our record names)
-  makes our duplicates skip, wait or requeue, and is named: its ``owner``,
-  ``generation`` and ``expiresAt``. Our waiters look every few hundred milliseconds, as
-  the store always does.
+  makes our duplicates skip, wait or requeue, and is named by what its document says:
+  its fields (``owner``, ``generation``, ``expiresAt``, a host or pid its client adds),
+  but a record of ours its takeover left behind. Our waiters look every few hundred
+  milliseconds, as the store always does.
 - **Never touched**: only documents whose ``owner`` is ours are renewed or deleted,
   ``force_release`` included; a foreign document is never rewritten, whatever it holds,
   unless the recipe itself says it is free (expired, or bare).
@@ -52,47 +53,32 @@ own clock takes over a lease of ours early by as much as its clock runs ahead.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
-import os
 import re
-import threading
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import replace
-from typing import Any, Callable, Optional, TypeVar
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from collections.abc import Iterable, Mapping
+from typing import Any, Optional
 
-import pymongo.errors as mongo_errors
-from pymongo import ReturnDocument
-from pymongo.read_concern import ReadConcern
-from pymongo.write_concern import WriteConcern
+from bson import json_util
 
-from ...errors import BackendUnavailable, ConfigurationError
-from ..base import Backend, HoldersPage, Lease, LeaseInfo
+from ...errors import BackendUnavailable, ConfigurationError, ExclusiveError
+from ..base import NO_END, Backend, Capabilities, End, Lease, LeaseInfo, MarkRead
 from ..line import LINE, admit, entries_of, first_in_line
 from ..readback import LostAnswer
 from . import expressions as x
-from .backend import (
-    CAS_ATTEMPTS,
-    COLLECTION,
-    MongoDBBackend,
-    _seconds,
-)
-from .errors import translate, translate_write
+from . import marks
+from .connection import CAS_ATTEMPTS, COLLECTION, MongoDBConnection, seconds, upsert
 
-T = TypeVar("T")
-
-#: The value of ``?recipe=`` this module speaks.
-RECIPE = "ttl-lease"
 #: The collection of lease documents unless ``?collection=`` names another (the article's).
 DEFAULT_COLLECTION = "job_leases"
 #: Where a lease document we write keeps what is ours: owner, token, ttl, holder record.
 FIELD = "celery_exclusive"
-#: Server error codes of an index that exists already with other options or another
-#: name (IndexOptionsConflict, IndexKeySpecsConflict): the user's own TTL index serves.
-INDEX_CONFLICTS = (85, 86)
 FOREIGN = "a MongoDB TTL-lease document"
+#: A foreign holder is named by this many fields of its document at most, each value
+#: cut to this many characters: a lease document may carry anything.
+NAMED_FIELDS, NAMED_LENGTH = 8, 60
 
 #: The document has a date ``expiresAt``: it is a lease of the recipe.
 HAS_EXPIRY = {"$eq": [{"$type": "$expiresAt"}, "date"]}
@@ -114,31 +100,15 @@ OURS = {
         {"$eq": ["$owner", f"${FIELD}.owner"]},
     ]
 }
-
-
-def options_of(url: str) -> tuple[str, str, str]:
-    """The recipe, the lease collection, and the URL pymongo gets (without either)."""
-    parts = urlsplit(url)
-    query = parse_qsl(parts.query, keep_blank_values=True)
-    ours = dict((name, value) for name, value in query if name in ("recipe", "collection"))
-    if ours.get("recipe") != RECIPE:
-        raise ConfigurationError(
-            f"exclusive_backend_url has recipe={ours.get('recipe')!r}; use {RECIPE} "
-            "(MongoDB's TTL-lease document), or leave it out for the store's own layout."
-        )
-    collection = ours.get("collection") or DEFAULT_COLLECTION
-    if (
-        collection == COLLECTION
-        or collection.startswith("system.")
-        or not re.fullmatch(r"[^$\0]{1,120}", collection)
-    ):
-        raise ConfigurationError(
-            f"exclusive_backend_url has collection={collection!r}: name the collection of "
-            f"lease documents your other code uses (not {COLLECTION!r}, where the store "
-            "keeps its own documents, nor a system. collection, nor a name with $)."
-        )
-    rest = [(name, value) for name, value in query if name not in ("recipe", "collection")]
-    return RECIPE, collection, urlunsplit(parts._replace(query=urlencode(rest)))
+#: A lease document as :meth:`TtlLeaseBackend.holders` reads it, with its time left (ms).
+DESCRIBED = {
+    "owner": 1,
+    FIELD: 1,
+    "live": LIVE,
+    "free": FREE,
+    "ours": OURS,
+    "left": {"$cond": [HAS_EXPIRY, {"$subtract": ["$expiresAt", x.NOW]}, None]},
+}
 
 
 def take(owner: str, token: int, ttl_ms: int, holder: dict) -> list[dict]:
@@ -167,50 +137,29 @@ def take(owner: str, token: int, ttl_ms: int, holder: dict) -> list[dict]:
     ]
 
 
-class TtlLeaseBackend(MongoDBBackend, recipe=True):
-    """The MongoDB store speaking the TTL-lease document (see the module docstring)."""
+class TtlLeaseBackend(Backend):
+    """The MongoDB store speaking the TTL-lease document (see the module docstring):
+    leases in the lease documents; fence, line, marks and records in the key's document
+    of the store's own collection."""
 
+    recipe = "ttl-lease"
     #: One holder per key, as the recipe has.
-    capabilities = replace(MongoDBBackend.capabilities, limits=False)
+    capabilities = Capabilities(records=True, marks=True)
+    connection_class = MongoDBConnection
+    connection: MongoDBConnection
 
     def __init__(self, url: str) -> None:
         super().__init__(url)
-        _, self.lease_collection, self.client_url = options_of(url)
-        self._locks_guard = threading.Lock()
-        self._locks_handle: Any = None
-        self._locks_pid: Optional[int] = None
-
-    # --- the lease collection ---------------------------------------------------------
-
-    def locks(self):
-        """This process's handle on the collection of lease documents, with its TTL
-        index on ``expiresAt`` (made here unless one is there already)."""
-        own = self.collection()
-        if self._locks_pid != os.getpid() or self._locks_handle is None:
-            with self._locks_guard:
-                if self._locks_pid != os.getpid() or self._locks_handle is None:
-                    locks = own.database.get_collection(
-                        self.lease_collection,
-                        write_concern=WriteConcern("majority"),
-                        read_concern=ReadConcern("majority"),
-                    )
-                    try:
-                        locks.create_index("expiresAt", expireAfterSeconds=0)
-                    except mongo_errors.OperationFailure as exc:
-                        if exc.code not in INDEX_CONFLICTS:
-                            raise
-                    self._locks_handle, self._locks_pid = locks, os.getpid()
-        return self._locks_handle
-
-    def _on_locks(self, action: str, work: Callable[[Any], T]) -> T:
-        try:
-            return work(self.locks())
-        except mongo_errors.PyMongoError as exc:
-            raise translate(exc, action, self) from None
-
-    def _leases(self, action: str, match: dict, project: dict) -> list[dict]:
-        pipeline = [{"$match": match}, {"$project": {"now": x.NOW, **project}}]
-        return self._on_locks(action, lambda c: list(c.aggregate(pipeline)))
+        name = self.connection.options.get("collection") or DEFAULT_COLLECTION
+        bad = name == COLLECTION or name.startswith("system.")
+        if bad or not re.fullmatch(r"[^$\0]{1,120}", name):
+            raise ConfigurationError(
+                f"exclusive_backend_url has collection={name!r}: name the collection of "
+                f"lease documents your other code uses (not {COLLECTION!r}, where the store "
+                "keeps its own documents, nor a system. collection, nor a name with $)."
+            )
+        #: The collection of lease documents, and its TTL index's field.
+        self.lease_documents = (name, "expiresAt")
 
     # --- leases -----------------------------------------------------------------------
 
@@ -222,93 +171,50 @@ class TtlLeaseBackend(MongoDBBackend, recipe=True):
         limit: int = 1,
         holder: Optional[Mapping[str, Any]] = None,
         claimant: Optional[str] = None,
+        read: Optional[MarkRead] = None,  # read by the caller, after the grant
     ) -> Optional[Lease]:
-        if limit != 1:
-            raise ConfigurationError(
-                f"{self.safe_url} speaks MongoDB's TTL-lease document (?recipe={RECIPE}), "
-                f"which has one holder per key, but {key!r} was asked for with "
-                f"exclusive_limit={limit}: use a store URL without ?recipe= for limits."
-            )
         ttl_ms = max(1, math.ceil(ttl * 1000))
         action = f"acquiring {key!r}"
         # 1. The key's own document: the next fencing token, and the line as it stands.
         token, line, now = self._next_token(key, ttl_ms, action)
-        admitted, _ = admit(line, claimant, 1, now)
-        if not admitted:
+        if not admit(line, claimant, 1, now)[0]:
             return None
         # 2. The lease document, taken in one write if it is free.
-        try:
-            taken = self._take(key, owner, token, ttl_ms, dict(holder or {}), action)
-        except LostAnswer as lost:  # read back: taken, or the lost answer's error
-            self._settle_acquire(key, owner, ttl, 1, lost)
-            taken = True
-        if not taken:
-            return None
         lease = Lease(key, owner, token, ttl, 1)
+        update = take(owner, token, ttl_ms, dict(holder or {}))
+
+        def write(collection) -> bool:
+            doc = upsert(collection, key, update, {"owner": 1, FIELD: 1}) or {}
+            return doc.get("owner") == owner and (doc.get(FIELD) or {}).get("owner") == owner
+
+        try:
+            if not self.connection.run(action, write, self.lease_documents, write=True):
+                return None
+        except LostAnswer as lost:  # read back: taken, or the lost answer's error
+            self.connection.acquired(self, lease, lost)
         # 3. Before anyone runs under it: a former holder's record writes now fail, and
         # the claimant leaves the line.
         try:
-            self._fence_records(key, token, action)
+            granted = [{"$set": {"granted": {"$max": [{"$ifNull": ["$granted", 0]}, token]}}}]
+            self.connection.run(action, lambda c: c.update_one({"_id": key}, granted, upsert=True))
             if claimant is not None:
                 self._leave_line(key, claimant, action)
         except BaseException:
-            self.give_back(lease)
+            with contextlib.suppress(ExclusiveError):  # else it expires by itself
+                self.release(lease)
             raise
         return lease
 
     def _next_token(self, key: str, ttl_ms: int, action: str) -> tuple[int, Optional[str], float]:
         update = [{"$set": {"fence": x.NEXT_TOKEN, "at": x.NOW, "gc_at": x.gc_at(ttl_ms)}}]
-
-        def bump(collection) -> dict:
-            for _ in range(CAS_ATTEMPTS):
-                try:
-                    return collection.find_one_and_update(
-                        {"_id": key},
-                        update,
-                        projection={"fence": 1, "at": 1, f"marks.{LINE}": 1},
-                        upsert=True,
-                        return_document=ReturnDocument.AFTER,
-                    )
-                except mongo_errors.DuplicateKeyError:
-                    continue  # created by another call meanwhile: again, on it
+        shown = {"fence": 1, "at": 1, f"marks.{LINE}": 1}
+        doc = self.connection.run(action, lambda c: upsert(c, key, update, shown))
+        if doc is None:
             raise BackendUnavailable(f"the key {key!r} kept changing", self.safe_url)
-
-        doc = self._call(action, bump)
-        now = _seconds(doc["at"])
+        now = seconds(doc["at"])
         mark = (doc.get("marks") or {}).get(LINE) or {}
-        live = isinstance(mark.get("exp"), datetime.datetime) and _seconds(mark["exp"]) > now
+        live = isinstance(mark.get("exp"), datetime.datetime) and seconds(mark["exp"]) > now
         return int(doc["fence"]), mark.get("v") if live else None, now
-
-    def _take(self, key: str, owner: str, token: int, ttl_ms: int, holder: dict, action) -> bool:
-        update = take(owner, token, ttl_ms, holder)
-
-        def write(collection) -> bool:
-            for _ in range(CAS_ATTEMPTS):
-                try:
-                    doc = collection.find_one_and_update(
-                        {"_id": key},
-                        update,
-                        projection={"owner": 1, FIELD: 1},
-                        upsert=True,
-                        return_document=ReturnDocument.AFTER,
-                    )
-                except mongo_errors.DuplicateKeyError:
-                    continue  # inserted by someone else meanwhile: look at it again
-                mine = (doc or {}).get(FIELD) or {}
-                return doc.get("owner") == owner and mine.get("owner") == owner
-            return False
-
-        try:
-            return write(self.locks())
-        except mongo_errors.PyMongoError as exc:
-            raise translate_write(exc, action, self) from None
-
-    def _fence_records(self, key: str, token: int, action: str) -> None:
-        """Note ``token`` as the key's latest grant: records written under an older one
-        are refused from now on."""
-        granted = {"$max": [{"$ifNull": ["$granted", 0]}, token]}
-        update = [{"$set": {"granted": granted}}]
-        self._call(action, lambda c: c.update_one({"_id": key}, update, upsert=True))
 
     def _leave_line(self, key: str, claimant: str, action: str) -> None:
         """Take ``claimant`` out of the key's line: a compare-and-swap on its value that
@@ -319,16 +225,14 @@ class TtlLeaseBackend(MongoDBBackend, recipe=True):
             rest = [entry for entry in entries if entry["id"] != claimant]
             if len(rest) == len(entries):
                 return
-            path = f"marks.{LINE}"
-            change = (
-                {"$unset": path}
-                if not rest
-                else {"$set": {f"{path}.v": {"$literal": json.dumps(rest)}}}
-            )
-            query = {"_id": key, f"{path}.v": line}
-            update = [change, {"$set": {"rev": x.bump_rev()}}]
-            swapped = self._call(action, lambda c, q=query, u=update: c.update_one(q, u))
-            if swapped.matched_count:
+            update = [
+                x.line_set_to(json.dumps(rest) if rest else None),
+                {"$set": {"rev": x.bump_rev()}},
+            ]
+            query = {"_id": key, f"marks.{LINE}.v": line}
+            if self.connection.run(
+                action, lambda c, q=query, u=update: c.update_one(q, u)
+            ).matched_count:
                 return
         raise BackendUnavailable(f"the line of {key!r} kept changing", self.safe_url)
 
@@ -336,99 +240,79 @@ class TtlLeaseBackend(MongoDBBackend, recipe=True):
         leases = list(leases)
         if not leases:
             return set()
-        keys = sorted({lease.key for lease in leases})
+        keys = {"$in": sorted({lease.key for lease in leases})}
         owners = [lease.owner for lease in leases]
         mine = {"$and": [{"$in": ["$owner", {"$literal": owners}]}, OURS, LIVE]}
         extend = [{"$set": {"expiresAt": {"$add": [x.NOW, f"${FIELD}.ttl"]}}}]
         action = f"renewing {len(leases)} lease(s)"
-        self._on_locks(
-            action, lambda c: c.update_many({"_id": {"$in": keys}, "$expr": mine}, extend)
+        self.connection.run(
+            action,
+            lambda c: c.update_many({"_id": keys, "$expr": mine}, extend),
+            self.lease_documents,
         )
-        found = self._leases(action, {"_id": {"$in": keys}}, {"owner": 1, "held": mine})
+        project = {"owner": 1, "held": mine}
+        found = self.connection.aggregate(action, {"_id": keys}, project, self.lease_documents)
         alive = {(doc["_id"], doc.get("owner")) for doc in found if doc.get("held")}
         return {lease for lease in leases if (lease.key, lease.owner) not in alive}
 
-    def release(self, lease: Lease) -> bool:
+    def release(self, lease: Lease, end: End = NO_END) -> Optional[bool]:
+        if end != NO_END:
+            return super().release(lease, end)  # the mark first, then the plain release
         mine = {"_id": lease.key, "owner": lease.owner, f"{FIELD}.owner": lease.owner}
+
+        def delete(collection) -> bool:
+            if collection.delete_one({**mine, "$expr": LIVE}).deleted_count:
+                return True
+            collection.delete_one(mine)  # a lease of ours that expired: nobody's now
+            return False
+
         action = f"releasing {lease.key!r}"
-
-        def send() -> bool:
-            try:
-                locks = self.locks()
-                if locks.delete_one({**mine, "$expr": LIVE}).deleted_count:
-                    return True
-                locks.delete_one(mine)  # a lease of ours that expired: nobody's now
-                return False
-            except mongo_errors.PyMongoError as exc:
-                raise translate_write(exc, action, self) from None
-
-        return self._settle_release(lease, send)
+        send = lambda: self.connection.run(action, delete, self.lease_documents, write=True)  # noqa: E731
+        return self.connection.released(self, lease, send)
 
     def force_release(self, key: str) -> int:
         """Delete the lease document of ``key`` if it is ours and live; a foreign one
         stays (it is not ours to delete): release it with its own client."""
         query = {"_id": key, "$expr": {"$and": [OURS, LIVE]}}
-        return self._on_locks(
-            f"force-releasing {key!r}", lambda c: c.delete_one(query).deleted_count
-        )
-
-    def write_record(self, lease: Lease, name: str, value: str) -> bool:
-        # The lease document says whether the lease is held; the key's document refuses
-        # a holder older than the latest grant, which moved "granted" before it returned.
-        if all(info.owner != lease.owner for info in self.holders_of(lease.key)):
-            return False
-        others = {
-            "$filter": {
-                "input": {"$ifNull": ["$records", []]},
-                "as": "r",
-                "cond": {"$ne": ["$$r.n", {"$literal": name}]},
-            }
-        }
-        entry = {"n": {"$literal": name}, "v": {"$literal": value}}
-        update = [
-            {
-                "$set": {
-                    "records": {"$concatArrays": [others, [entry]]},
-                    "granted": {"$max": [{"$ifNull": ["$granted", 0]}, lease.fencing_token]},
-                }
-            },
-            {"$unset": "gc_at"},  # a document with records is never collected
-        ]
-        latest = {"$lte": [{"$ifNull": ["$granted", 0]}, lease.fencing_token]}
-        query = {"_id": lease.key, "$expr": latest}
-        result = self._call(
-            f"writing the record {name!r} of {lease.key!r}", lambda c: c.update_one(query, update)
-        )
-        return result.matched_count > 0
-
-    # --- waiting (the store's wait() polls this) --------------------------------------
+        delete = lambda c: c.delete_one(query).deleted_count  # noqa: E731
+        return self.connection.run(f"force-releasing {key!r}", delete, self.lease_documents)
 
     def _free_for(self, key: str, claimant: Optional[str]) -> bool:
-        found = self._leases(f"reading {key!r}", {"_id": key}, {"free": FREE})
+        found = self.connection.aggregate(
+            f"reading {key!r}", {"_id": key}, {"free": FREE}, self.lease_documents
+        )
         if found and not found[0]["free"]:
             return False
-        own = self._aggregate(f"reading {key!r}", {"_id": key}, {"line": x.live_mark(LINE)})
-        if not own:
-            return True
-        return first_in_line(own[0].get("line"), claimant, _seconds(own[0]["now"]))
+        own = self.connection.aggregate(
+            f"reading {key!r}", {"_id": key}, {"line": x.live_mark(LINE)}
+        )
+        return not own or first_in_line(own[0].get("line"), claimant, seconds(own[0]["now"]))
+
+    def wait(self, key: str, timeout: float, claimant: Optional[str] = None) -> None:
+        # Polls, as a foreign client's release wakes nobody of ours.
+        self.connection.poll(lambda: self._free_for(key, claimant), timeout)
 
     # --- who holds what ---------------------------------------------------------------
 
     def holders_of(self, key: str) -> list[LeaseInfo]:
-        project = {
-            "owner": 1,
-            "generation": 1,
-            "expiresAt": 1,
-            FIELD: 1,
-            "live": LIVE,
-            "free": FREE,
-            "ours": OURS,
-            "left": {"$cond": [HAS_EXPIRY, {"$subtract": ["$expiresAt", x.NOW]}, None]},
-        }
-        found = self._leases(f"reading {key!r}", {"_id": key}, project)
-        if not found or found[0]["free"]:
-            return []
-        return [self._described(found[0])]
+        # The whole document: a foreign holder is named by what it says.
+        found = self._documents({"_id": key}, f"reading {key!r}", document="$$ROOT")
+        return [self._described(doc) for doc in found if not doc["free"]]
+
+    def holders(self, prefix: str = "") -> list[LeaseInfo]:
+        # Ours only: under a prefix, a foreign document is somebody else's lock.
+        found = self._documents(x.under(prefix), f"listing holders under {prefix!r}")
+        return [
+            self._described(doc)
+            for doc in sorted(found, key=lambda d: d["_id"])
+            if isinstance(doc["_id"], str)
+            and doc["_id"].startswith(prefix)
+            and doc.get("ours")
+            and doc.get("live")
+        ]
+
+    def _documents(self, match: dict, action: str, **more: str) -> list[dict]:
+        return self.connection.aggregate(action, match, {**DESCRIBED, **more}, self.lease_documents)
 
     def _described(self, doc: dict) -> LeaseInfo:
         left = doc.get("left")
@@ -438,61 +322,57 @@ class TtlLeaseBackend(MongoDBBackend, recipe=True):
             return LeaseInfo(
                 doc["_id"], mine["owner"], int(mine["token"]), expires_in, mine.get("holder") or {}
             )
-        owner = doc.get("owner")
-        shown = {
-            "owner": owner,
-            "generation": doc.get("generation"),
-            "expiresAt": doc.get("expiresAt"),
-        }
-        fields = ", ".join(
-            f"{name} {value!r}" for name, value in shown.items() if value is not None
-        )
-        if not isinstance(doc.get("expiresAt"), datetime.datetime):
-            fields += ", no expiresAt date: it never expires"
-        described = {"foreign": f"{FOREIGN} in {self.lease_collection} ({fields})"}
-        return LeaseInfo(doc["_id"], str(owner), None, expires_in, described)
+        named = f"{FOREIGN} in {self.lease_documents[0]} ({_fields(doc.get('document') or {})})"
+        return LeaseInfo(doc["_id"], str(doc.get("owner")), None, expires_in, {"foreign": named})
 
-    def holders(self, prefix: str = "") -> list[LeaseInfo]:
-        # Ours only: under a prefix, a foreign document is somebody else's lock.
-        match: dict = {"_id": {"$gte": prefix}}
-        if prefix and ord(prefix[-1]) < 0x10FFFF:
-            match["_id"]["$lt"] = prefix[:-1] + chr(ord(prefix[-1]) + 1)
-        project = {
-            "owner": 1,
-            FIELD: 1,
-            "live": LIVE,
-            "ours": OURS,
-            "left": {"$subtract": ["$expiresAt", x.NOW]},
-        }
-        found = self._leases(f"listing holders under {prefix!r}", match, project)
-        return [
-            LeaseInfo(
-                doc["_id"],
-                doc[FIELD]["owner"],
-                int(doc[FIELD]["token"]),
-                doc["left"] / 1000,
-                doc[FIELD].get("holder") or {},
-            )
-            for doc in sorted(found, key=lambda d: d["_id"])
-            if isinstance(doc["_id"], str)
-            and doc["_id"].startswith(prefix)
-            and doc.get("ours")
-            and doc.get("live")
+    # --- records and marks (the key's own document), the store's clock, the check ------
+
+    read_mark, swap_mark, read_record = marks.read_mark, marks.swap_mark, marks.read_record
+
+    def write_record(self, lease: Lease, name: str, value: str) -> bool:
+        # The lease document says whether the lease is held; the key's document refuses
+        # a holder older than the latest grant, which moved "granted" before it returned.
+        if all(info.owner != lease.owner for info in self.holders_of(lease.key)):
+            return False
+        granted = {"$max": [{"$ifNull": ["$granted", 0]}, lease.fencing_token]}
+        update = [
+            {"$set": {"records": x.with_record(name, value), "granted": granted}},
+            {"$unset": "gc_at"},  # a document with records is never collected
         ]
+        latest = {"$lte": [{"$ifNull": ["$granted", 0]}, lease.fencing_token]}
+        query = {"_id": lease.key, "$expr": latest}
+        return self.connection.run(
+            f"writing the record {name!r} of {lease.key!r}",
+            lambda c: c.update_one(query, update).matched_count > 0,
+        )
 
-    def holders_page(
-        self,
-        prefix: str = "",
-        cursor: Optional[str] = None,
-        count: int = 100,
-        kinds: Sequence[str] = (),
-    ) -> HoldersPage:
-        return Backend.holders_page(self, prefix, cursor, count, kinds)
+    def store_time(self) -> float:
+        return self.connection.now()
 
-    def close(self) -> None:
-        with self._locks_guard:
-            self._locks_handle = None
-        super().close()
+    def check(self, probe_key: str) -> list[str]:
+        return super().check(probe_key) + self.connection.warnings()
 
 
-__all__ = ["TtlLeaseBackend", "RECIPE", "options_of", "take"]
+def _fields(document: Mapping[str, Any]) -> str:
+    """What a foreign lease document says, for people: its fields in its order but its
+    ``_id`` (the key) and a record of ours that a takeover left behind (``owner 'node-a',
+    host 'billing-7', generation 3, expiresAt 2026-05-29T18:00:00.000Z``)."""
+    fields = [(name, value) for name, value in document.items() if name not in ("_id", FIELD)]
+    shown = [f"{name} {_value(value)}" for name, value in fields[:NAMED_FIELDS]]
+    if len(fields) > NAMED_FIELDS:
+        shown.append(f"{len(fields) - NAMED_FIELDS} more fields")
+    if not isinstance(document.get("expiresAt"), datetime.datetime):
+        shown.append("no expiresAt date: it never expires")
+    return ", ".join(shown)
+
+
+def _value(value: Any) -> str:
+    """A BSON value for people: a date in UTC as ISO 8601 (as MongoDB's shell writes
+    it), a string quoted, anything else as extended JSON; cut to :data:`NAMED_LENGTH`."""
+    if isinstance(value, datetime.datetime):
+        moment = value if value.tzinfo else value.replace(tzinfo=datetime.timezone.utc)
+        text = moment.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")
+        text = text[:-3] + "Z"
+    else:
+        text = repr(value) if isinstance(value, str) else json_util.dumps(value)
+    return text if len(text) <= NAMED_LENGTH else text[: NAMED_LENGTH - 3] + "..."

@@ -9,7 +9,6 @@ MONGODB_URL. Real workers: test_mongodb_recipe_workers.py.
 from __future__ import annotations
 
 import datetime
-import inspect
 import threading
 import time
 import uuid
@@ -20,13 +19,11 @@ import pytest
 
 from celery_exclusive import ConfigurationError, ExclusiveLock, LockHeld, backend_for_url
 from celery_exclusive.backends import _load
-from celery_exclusive.backends.mongodb.backend import COLLECTION
+from celery_exclusive.backends.mongodb.connection import COLLECTION
 from celery_exclusive.backends.mongodb.recipe import FIELD, TtlLeaseBackend
+from celery_exclusive.core import lease as leases_of_core
 from celery_exclusive.core import outcomes, policies
 from celery_exclusive.core.config import Settings
-from tests.conftest import BackendCase
-from tests.contract import test_backend_contract as contract
-from tests.contract import test_line, test_lock, test_operators_view
 from tests.support.cluster import wait_until
 
 KEY = "exclusive:invoice:7"
@@ -123,34 +120,16 @@ def task_call(url: str, task_id: str, policy: str = "skip"):
     return policies.claim(settings, backend_for_url(url), KEY, "billing.settle", task_id)
 
 
-# --- the store's contract, but for limits: a lease document has one holder ----------------
-
-
-@pytest.fixture
-def backend_case(recipe_url):
-    return BackendCase(recipe_url)
-
-
-backend = recipe_store
-store = test_lock.store
-marks = contract.marks
-settings = test_line.settings
-for _module in (contract, test_lock, test_line, test_operators_view):
-    for _name, _test in vars(_module).items():
-        if _name.startswith("test_") and "limit" not in inspect.getsource(_test):
-            globals()[f"{_name}_under_the_recipe"] = _test
-del _module, _name, _test
-
-
 def test_the_recipe_url_makes_a_store_that_speaks_it_and_pymongo_never_sees_its_options(
-    recipe_url,
+    recipe_url, leases
 ):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # pymongo warns of an option it does not know
         store = _load(recipe_url + "&collection=locks")
         assert isinstance(store, TtlLeaseBackend)
-        assert store.try_acquire(KEY, owner(), 10) is not None
-        assert store.locks().name == "locks"
+        lease = store.try_acquire(KEY, owner(), 10)
+        assert lease is not None
+    assert leases.database["locks"].find_one({"_id": KEY})["owner"] == lease.owner
     store.close()
 
 
@@ -226,6 +205,48 @@ def test_a_document_without_an_expiry_date_is_never_taken_nor_rewritten(recipe_s
     assert leases.find_one({"_id": KEY}) == before
 
 
+def test_a_foreign_holder_is_named_by_every_field_its_document_has(recipe_url, leases):
+    # Lease documents of other clients carry more than the article's: who, where, since.
+    expires = utcnow().replace(microsecond=0) + datetime.timedelta(seconds=30)
+    leases.insert_one(
+        {
+            "_id": KEY,
+            "owner": "node-a",
+            "host": "billing-7.internal",
+            "pid": 4242,
+            "generation": 3,
+            "expiresAt": expires,
+        }
+    )
+    outcome = task_call(recipe_url, "task-1")
+    assert isinstance(outcome, outcomes.Skipped)
+    assert (
+        "a MongoDB TTL-lease document in job_leases (owner 'node-a', "
+        "host 'billing-7.internal', pid 4242, generation 3, "
+        f"expiresAt {expires.strftime('%Y-%m-%dT%H:%M:%S')}.000Z)"
+    ) in outcome.holder
+
+
+def test_a_foreign_takeover_is_named_without_the_record_we_left_in_it(recipe_store, leases):
+    ours = recipe_store.try_acquire(KEY, owner(), 0.3, holder={"task_id": "ours-1"})
+    time.sleep(0.4)
+    theirs = node(leases)
+    assert theirs.acquire()  # their takeover keeps the fields it does not set
+    [info] = recipe_store.holders_of(KEY)
+    assert f"owner '{theirs.node}'" in info.holder["foreign"]
+    assert ours.owner not in info.holder["foreign"]
+    assert "ours-1" not in info.holder["foreign"]
+
+
+def test_a_foreign_document_s_long_fields_are_cut_in_its_name(recipe_store, leases):
+    fields = {f"field{i}": "x" * 10_000 for i in range(20)}
+    expires = utcnow() + datetime.timedelta(seconds=60)
+    leases.insert_one({"_id": KEY, "owner": "node-a", **fields, "expiresAt": expires})
+    named = recipe_store.holders_of(KEY)[0].holder["foreign"]
+    assert named.startswith("a MongoDB TTL-lease document in job_leases (owner 'node-a', ")
+    assert "more fields" in named and len(named) < 1_000
+
+
 # --- our holder ---------------------------------------------------------------------------
 
 
@@ -289,8 +310,8 @@ def test_a_ttl_index_of_the_user_s_own_on_expires_at_is_kept(recipe_url, leases)
 
 
 def test_a_limit_is_refused_naming_the_fix(recipe_store):
-    with pytest.raises(ConfigurationError, match="one holder per key.*without \\?recipe="):
-        recipe_store.try_acquire(KEY, owner(), 10, limit=2)
+    with pytest.raises(ConfigurationError, match="does not offer limits.*use a store that does"):
+        leases_of_core.acquire(recipe_store, KEY, 10, limit=2)
 
 
 @pytest.mark.parametrize("collection", [COLLECTION, "system.js", "a$b"])
@@ -300,7 +321,7 @@ def test_a_collection_that_cannot_hold_lease_documents_is_refused(recipe_url, co
 
 
 def test_an_unknown_recipe_is_refused_naming_the_one_there_is(mongo_server):
-    with pytest.raises(ConfigurationError, match="use ttl-lease"):
+    with pytest.raises(ConfigurationError, match="its recipes: ttl-lease"):
         _load(f"{mongo_server.url}/db?recipe=lease")
 
 

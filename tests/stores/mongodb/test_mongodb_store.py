@@ -4,6 +4,7 @@ server at MONGODB_URL), and the stand-in's own rules, each against its source.""
 from __future__ import annotations
 
 import datetime
+import time
 import uuid
 
 import pymongo
@@ -12,8 +13,8 @@ from bson.objectid import ObjectId
 from pymongo.errors import OperationFailure
 
 from celery_exclusive.backends import _load
-from celery_exclusive.backends.mongodb.backend import COLLECTION
-from celery_exclusive.errors import BackendUnavailable
+from celery_exclusive.backends.mongodb.connection import COLLECTION
+from celery_exclusive.errors import BackendUnavailable, ConfigurationError
 from tests.support.mongo_standin import MongoStandIn
 from tests.support.servers import free_port
 
@@ -27,12 +28,15 @@ def store(mongodb_url):
 
 @pytest.fixture
 def documents(store):
-    return store.collection().with_options(write_concern=pymongo.WriteConcern(1))
+    return store.connection.collection().with_options(write_concern=pymongo.WriteConcern(1))
 
 
 def test_a_deleted_document_does_not_reset_the_fencing_token(store, documents):
     first = store.try_acquire("k", uuid.uuid4().hex, 10)
     store.release(first)
+    # The floor is the server's clock to the millisecond: no hand deletes the document
+    # within the millisecond of its last grant, and the TTL index waits a day.
+    time.sleep(0.002)
     documents.delete_one({"_id": "k"})  # the TTL index, or an operator
     second = store.try_acquire("k", uuid.uuid4().hex, 10)
     assert second.fencing_token > first.fencing_token
@@ -60,8 +64,14 @@ def test_a_server_that_does_not_answer_is_unavailable():
         backend.check("exclusive:~check")
 
 
+def test_a_collection_named_without_the_recipe_is_refused_naming_the_fix(mongodb_url):
+    # collection= names the lease documents of ?recipe=ttl-lease; pymongo knows no such option.
+    with pytest.raises(ConfigurationError, match="collection=.*add recipe=ttl-lease"):
+        _load(mongodb_url + "?collection=locks")
+
+
 def _real(store) -> bool:
-    return "stand-in" not in store.collection().database.client.server_info()["version"]
+    return "stand-in" not in store.connection.collection().database.client.server_info()["version"]
 
 
 # --- the stand-in's rules, each as the MongoDB source it cites has it -------------------
