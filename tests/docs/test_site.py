@@ -6,10 +6,7 @@ are generated from the code list everything the code has."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,30 +18,6 @@ from tests.docs.blocks import ROOT
 #: Pages of the nav that may be missing from this tree: the architecture page is
 #: written with the package's layout and lands on its own.
 MAY_FOLLOW = {"explanation/architecture.md"}
-
-
-def offline(command: list[str]) -> list[str]:
-    """``command`` in a network namespace of its own (no network at all) where this
-    machine allows one; the build must not need one either way."""
-    unshare = shutil.which("unshare")
-    if unshare and subprocess.run([unshare, "-n", "true"], capture_output=True).returncode == 0:
-        return [unshare, "-n", *command]
-    return command
-
-
-@pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("site")
-    built = subprocess.run(
-        offline([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)]),
-        cwd=ROOT,
-        env={**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert built.returncode == 0, built.stdout + built.stderr
-    return out
 
 
 def text_of(page: Path) -> str:
