@@ -2,7 +2,8 @@
 
 Both show who holds which key and let an operator free a key by hand. Under Celery
 the store comes from the app's settings (``celery -A proj exclusive ls``); RQ users
-and scripts name it: ``celery-exclusive --backend redis://... ls``.
+and scripts name it: ``celery-exclusive --backend redis://... ls``, or
+``celery-exclusive ls --backend redis://...`` (every command takes the store options).
 """
 
 from __future__ import annotations
