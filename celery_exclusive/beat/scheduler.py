@@ -86,6 +86,8 @@ class LeaderScheduler(Scheduler):
         #: (entry, what the inner scheduler's reserve() made of it) for the send under way.
         self._reserved: Optional[tuple[ScheduleEntry, ScheduleEntry]] = None
         self._store_down = False
+        #: Whether this beat has said it stands by (said once each time it starts to).
+        self._standing_by = False
         self._closed = False
         super().__init__(app, *args, lazy=lazy, **kwargs)
         self.max_interval = self.inner.max_interval
@@ -200,6 +202,7 @@ class LeaderScheduler(Scheduler):
             return
         self._store_answered()
         if lease is None:
+            self._stand_by()
             return
         try:
             resumed = self._take_over(lease)
@@ -212,12 +215,43 @@ class LeaderScheduler(Scheduler):
             lease.release()
             raise
         self.lease = lease
+        self._standing_by = False
         self._heap = None  # ordered afresh from the entries as the records left them
         logger.info(
-            "beat: leading as %s fencing_token=%s; %d entries caught up with their records",
+            "beat: leading as %s fencing_token=%s; caught up %d %s with the records",
             lease.key,
             lease.fencing_token,
             resumed,
+            "entry" if resumed == 1 else "entries",
+        )
+
+    def _stand_by(self) -> None:
+        """Say once, as this beat starts to stand by, which beat it waits for: an
+        operator reading a quiet follower's log learns it is waiting, not stuck. Each
+        later attempt to take the lease says nothing."""
+        if self._standing_by:
+            return
+        self._standing_by = True
+        logger.info(
+            "beat: standing by: %s holds the leader lease %s; this beat leads when it is "
+            "released or expires (it tries again at least every %.1fs)",
+            self._leader(),
+            self.lease_key,
+            self.retry_interval,
+        )
+
+    def _leader(self) -> str:
+        """The beat holding the lease, for people: ``celery beat on host (pid 123)``."""
+        try:
+            infos = self.backend.holders_of(self.lease_key)
+        except BackendUnavailable:
+            infos = []
+        if not infos:
+            return "another beat"
+        holder = infos[0].holder
+        return (
+            f"{holder.get('task') or 'a beat'} on {holder.get('hostname') or 'an unknown host'} "
+            f"(pid {holder.get('pid') or '?'})"
         )
 
     def _take_over(self, lease: HeldLease) -> int:

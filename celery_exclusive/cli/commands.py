@@ -2,7 +2,8 @@
 
 Both show who holds which key and let an operator free a key by hand. Under Celery
 the store comes from the app's settings (``celery -A proj exclusive ls``); RQ users
-and scripts name it: ``celery-exclusive --backend redis://... ls``.
+and scripts name it: ``celery-exclusive --backend redis://... ls``, or
+``celery-exclusive ls --backend redis://...`` (every command takes the store options).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Callable
 from typing import Any, Optional, TypeVar
 
 import click
+from click.core import ParameterSource
 
 from ..backends import Backend, LeaseInfo, backend_for_url
 from ..core import config, marks
@@ -66,28 +68,72 @@ def _target(app: Any, backend_url: Optional[str], key_prefix: Optional[str]) -> 
     return Target(settings.backend_url, settings.key_prefix)
 
 
+#: The options naming the store, accepted by the group and by each command alike:
+#: ``celery-exclusive --backend URL ls`` and ``celery-exclusive ls --backend URL``.
+STORE_OPTIONS = (
+    click.option(
+        "--backend",
+        "backend_url",
+        envvar="EXCLUSIVE_BACKEND_URL",
+        show_envvar=True,
+        help="Lease store URL. Default: the app's exclusive_backend_url.",
+    ),
+    click.option(
+        "--prefix",
+        "key_prefix",
+        default=None,
+        help="Key prefix to list under. Default: the app's exclusive_key_prefix.",
+    ),
+)
+
+
+def store_options(command: F) -> F:
+    """Add ``--backend`` and ``--prefix`` to a command (or the group)."""
+    for option in reversed(STORE_OPTIONS):
+        command = option(command)
+    return command
+
+
+def _chosen(ctx: click.Context, name: str) -> Optional[str]:
+    """The store option ``name`` as the operator gave it: on the command's own command
+    line, else on the group's, else in the environment; None when not given at all."""
+    given: list[click.Context] = []
+    context: Optional[click.Context] = ctx
+    while context is not None:
+        if context.params.get(name) is not None:
+            given.append(context)
+        context = context.parent
+    typed = [c for c in given if c.get_parameter_source(name) is ParameterSource.COMMANDLINE]
+    return (typed or given)[0].params[name] if given else None
+
+
+def with_target(command: F) -> F:
+    """Hand the command the store it talks to, as its first argument, in place of the
+    store options: resolved when the command runs, never for ``--help``, so that help
+    needs neither a store nor an app."""
+
+    @functools.wraps(command)
+    def run(
+        *args: Any, backend_url: Optional[str], key_prefix: Optional[str], **kwargs: Any
+    ) -> Any:
+        ctx = click.get_current_context()
+        app = getattr(ctx.find_root().obj, "app", None)
+        try:
+            target = _target(app, _chosen(ctx, "backend_url"), _chosen(ctx, "key_prefix"))
+        except ExclusiveError as exc:
+            raise click.ClickException(str(exc)) from None
+        return command(target, *args, **kwargs)
+
+    return store_options(run)  # type: ignore[return-value]
+
+
 @click.group(name="exclusive")
-@click.option(
-    "--backend",
-    "backend_url",
-    envvar="EXCLUSIVE_BACKEND_URL",
-    show_envvar=True,
-    help="Lease store URL. Default: the app's exclusive_backend_url.",
-)
-@click.option(
-    "--prefix",
-    "key_prefix",
-    default=None,
-    help="Key prefix to list under. Default: the app's exclusive_key_prefix.",
-)
-@click.pass_context
-def exclusive(ctx: click.Context, backend_url: Optional[str], key_prefix: Optional[str]) -> None:
-    """Who holds which key, and freeing a key by hand."""
-    app = getattr(ctx.obj, "app", None)
-    try:
-        ctx.obj = _target(app, backend_url, key_prefix)
-    except ExclusiveError as exc:
-        raise click.ClickException(str(exc)) from None
+@store_options
+def exclusive(backend_url: Optional[str], key_prefix: Optional[str]) -> None:
+    """Who holds which key, and freeing a key by hand.
+
+    The store options may come before the command or after it; after it, they win.
+    """
 
 
 def _marks(backend: Backend, key: str) -> str:
@@ -155,7 +201,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 @exclusive.command(name="ls")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document instead of a table.")
-@click.pass_obj
+@with_target
 @one_line_errors
 def ls(target: Target, as_json: bool) -> None:
     """List every held lease: key, task, holder, when it was taken, when it expires,
@@ -168,7 +214,7 @@ def ls(target: Target, as_json: bool) -> None:
 @exclusive.command()
 @click.argument("key")
 @click.option("--json", "as_json", is_flag=True, help="The exact values, as JSON.")
-@click.pass_obj
+@with_target
 @one_line_errors
 def inspect(target: Target, key: str, as_json: bool) -> None:
     """Show who holds KEY (with or without the key prefix), and its marks."""
@@ -203,7 +249,7 @@ def _holder_field(name: str, value: Any) -> str:
 @exclusive.command()
 @click.argument("key")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
-@click.pass_obj
+@with_target
 @one_line_errors
 def release(target: Target, key: str, yes: bool) -> None:
     """Free KEY whoever holds it. Its running holder finds its lease lost at its next
@@ -218,7 +264,9 @@ def release(target: Target, key: str, yes: bool) -> None:
     if released is None:
         click.echo(f"{shown}: not held, nothing released")
     else:
-        click.echo(f"released {shown}: {released[0]} lease(s), held by {held_by(released[1])}")
+        count, infos = released
+        leases = display.counted(count, "lease", "leases")
+        click.echo(f"released {shown}: {leases}, held by {held_by(infos)}")
 
 
 def release_key(
@@ -243,7 +291,7 @@ def held_by(infos: list[LeaseInfo]) -> str:
 @exclusive.command()
 @click.option("--interval", default=1.0, show_default=True, help="Seconds between refreshes.")
 @click.option("--count", default=0, help="Stop after this many refreshes (0: until Ctrl-C).")
-@click.pass_obj
+@with_target
 @one_line_errors
 def watch(target: Target, interval: float, count: int) -> None:
     """Refresh the lease table until interrupted."""
@@ -263,7 +311,7 @@ def watch(target: Target, interval: float, count: int) -> None:
 
 
 @exclusive.command()
-@click.pass_obj
+@with_target
 @one_line_errors
 def migrate(target: Target) -> None:
     """Create what the store needs before workers use it (PostgreSQL's tables), as the

@@ -14,6 +14,11 @@ from typing import Optional
 MAX_CELL = 60
 
 
+def counted(count: int, one: str, many: str) -> str:
+    """``1 lease``, ``2 leases``: a count with its noun in the right number."""
+    return f"{count} {one if count == 1 else many}"
+
+
 def duration(seconds: Optional[float]) -> str:
     """``3.2s``, ``4m05s``, ``2h03m``, ``3d04h``: short, and exact enough to act on."""
     if seconds is None:

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import click
 
-from .commands import Target, one_line_errors
+from .commands import Target, one_line_errors, with_target
 
 #: Where the page is served unless told otherwise: this host only.
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8555
@@ -26,10 +26,10 @@ DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8555
 )
 @click.option("--refresh", default=1.0, show_default=True, help="Seconds between store reads.")
 @click.option("--page-size", default=100, show_default=True, help="Held keys per page.")
-@click.pass_context
+@with_target
 @one_line_errors
 def web(
-    ctx: click.Context,
+    target: Target,
     host: str,
     port: int,
     release_token: Optional[str],
@@ -46,14 +46,15 @@ def web(
         raise click.ClickException(
             f"the web view needs its extra ({exc}): pip install 'celery-exclusive[web]'"
         ) from None
-    target: Target = ctx.obj
     app = create_app(
         target.backend_url,
         target.key_prefix,
         release_token=release_token or None,
         refresh=refresh,
         page_size=page_size,
-        beat_entries=_beat_entries(getattr(ctx.find_root().obj, "app", None)),
+        beat_entries=_beat_entries(
+            getattr(click.get_current_context().find_root().obj, "app", None)
+        ),
     )
     logging.getLogger("celery_exclusive").setLevel(logging.INFO)
     mode = "releasing on (token needed)" if release_token else "read-only"

@@ -47,6 +47,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..backends import Backend, backend_for_url
 from ..cli.commands import held_by, release_key
+from ..cli.display import counted
 from ..core import feed
 from ..errors import ExclusiveError
 from . import views
@@ -372,9 +373,9 @@ async def release(request: Request) -> Response:
         )
     count, infos = released
     logger.warning(
-        "web: released key=%r (%d lease(s), held by %s; fencing tokens %s) for %s",
+        "web: released key=%r (%s, held by %s; fencing tokens %s) for %s",
         key,
-        count,
+        counted(count, "lease", "leases"),
         held_by(infos),
         confirmed,
         who,

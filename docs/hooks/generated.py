@@ -1,6 +1,7 @@
 """Pages written from the code, so that no fact is written twice.
 
-A page asks for generated text with an HTML comment on a line of its own:
+A page asks for generated text with an HTML comment, where the text goes (on a line of
+its own for a section, inside a sentence for the version):
 
 - ``<!-- generated: settings -->``: one section per field of
   :class:`celery_exclusive.core.config.Settings`, in the order of the class: its
@@ -24,7 +25,7 @@ import os
 import re
 from typing import Any
 
-MARKER = re.compile(r"^<!-- generated: (?P<name>[a-z-]+) -->$", re.M)
+MARKER = re.compile(r"<!-- generated: (?P<name>[a-z-]+) -->")
 
 
 def on_page_markdown(markdown: str, **kwargs: Any) -> str:
@@ -146,6 +147,10 @@ GUIDES = {
 }
 
 
+#: The heading row of each setting's table.
+TABLE_HEADER = "| Property | Value |"
+
+
 def settings() -> str:
     from celery_exclusive.core import config
 
@@ -194,7 +199,9 @@ def settings() -> str:
             rows.append(("Guide", f"[{title}]({link})"))
         table = "\n".join(f"| {label} | {value} |" for label, value in rows)
         text = comments.get(name) or ""
-        sections.append(f"### `{name}` {{#{name}}}\n\n{text}\n\n| | |\n|---|---|\n{table}\n")
+        sections.append(
+            f"### `{name}` {{#{name}}}\n\n{text}\n\n{TABLE_HEADER}\n|---|---|\n{table}\n"
+        )
     return "\n".join(sections)
 
 

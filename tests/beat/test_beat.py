@@ -10,6 +10,7 @@ outside a failover window is a gap.
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import sys
 import time
@@ -366,3 +367,43 @@ def test_an_inner_scheduler_that_cannot_be_imported_is_refused_at_start_with_one
     app.conf.exclusive_beat_scheduler = "no_such_module.schedulers:DatabaseScheduler"
     with pytest.raises(SystemExit, match="ConfigurationError: .*exclusive_beat_scheduler"):
         LeaderScheduler(app, lazy=True)
+
+
+# --- what a beat says ---------------------------------------------------------------
+
+
+def test_a_standby_beat_says_once_which_beat_it_waits_for_and_when_it_takes_over(make_stack):
+    stack = make_stack("sqlite", worker=False)
+    leader = stack.beat("b1")
+    leading = stack.wait_for_new_leader(old_pid=-1, timeout=30).holder
+    standby = stack.beat("b2")
+    standby.wait_for_log("standing by", timeout=30)
+    time.sleep(4 * RETRY)  # several more attempts to take the lease, each silent
+    leader.stop(signal.SIGTERM)
+    standby.wait_for_log("leading as", timeout=30)
+
+    lines = standby.output().splitlines()
+    [waiting] = [line for line in lines if "standing by" in line]
+    assert "INFO" in waiting
+    assert (
+        f"celery beat on {leading['hostname']} (pid {leader.pid}) holds the leader lease "
+        f"{LEASE_KEY}" in waiting
+    )
+    after = lines[lines.index(waiting) + 1 :]
+    took_over = next(i for i, line in enumerate(after) if "leading as" in line)
+    assert "INFO" in after[took_over]
+    assert after[:took_over] == [], "a standby beat logged while it waited"
+
+
+def test_a_leader_counts_the_entries_it_caught_up_in_words(local_app, tmp_path, caplog):
+    first = LeaderScheduler(local_app, schedule_filename=str(tmp_path / "first"))
+    run_due(first)  # leads; its new entry counts as run now
+    time.sleep(0.55)
+    run_due(first)  # sends its one entry, and records the send
+    die(first)
+    second = LeaderScheduler(local_app, schedule_filename=str(tmp_path / "second"))
+    with caplog.at_level(logging.INFO, "celery_exclusive"):
+        run_due(second)
+    assert "caught up 1 entry with the records" in caplog.text
+    first.close()
+    second.close()

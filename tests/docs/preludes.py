@@ -134,7 +134,7 @@ _check_the_examples_apps()
 CHECK_DJANGO = """
 
 def _check_the_django_settings() -> None:
-    from celery_exclusive.celery import settings as app_settings
+    from celery_exclusive.core import config
 
     for name in [n for n in globals() if n.startswith("CELERY_EXCLUSIVE_")]:
         setting = name[len("CELERY_EXCLUSIVE_") :].lower()

@@ -6,10 +6,7 @@ are generated from the code list everything the code has."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,30 +18,6 @@ from tests.docs.blocks import ROOT
 #: Pages of the nav that may be missing from this tree: the architecture page is
 #: written with the package's layout and lands on its own.
 MAY_FOLLOW = {"explanation/architecture.md"}
-
-
-def offline(command: list[str]) -> list[str]:
-    """``command`` in a network namespace of its own (no network at all) where this
-    machine allows one; the build must not need one either way."""
-    unshare = shutil.which("unshare")
-    if unshare and subprocess.run([unshare, "-n", "true"], capture_output=True).returncode == 0:
-        return [unshare, "-n", *command]
-    return command
-
-
-@pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("site")
-    built = subprocess.run(
-        offline([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)]),
-        cwd=ROOT,
-        env={**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert built.returncode == 0, built.stdout + built.stderr
-    return out
 
 
 def text_of(page: Path) -> str:
@@ -82,6 +55,23 @@ def test_every_setting_says_what_it_is_for(site):
         assert "<p>" in above_its_table, f"{field.name}: no #: comment above it in Settings"
 
 
+def test_every_settings_table_has_a_heading_row_with_text(site):
+    page = (site / "reference" / "settings" / "index.html").read_text()
+    headings = re.findall(r"<thead>(.*?)</thead>", page, re.S)
+    assert headings, "no table on the settings page"
+    for heading in headings:
+        cells = re.findall(r"<th[^>]*>(.*?)</th>", heading, re.S)
+        assert cells and all(cell.strip() for cell in cells), heading
+
+
+def test_the_home_page_names_the_packages_version(site):
+    from celery_exclusive import __version__
+
+    home = text_of(site / "index.html")
+    assert f"This documents celery-exclusive {__version__}." in home
+    assert "generated:" not in (site / "index.html").read_text()
+
+
 def test_every_setting_links_to_the_guide_that_explains_it(site):
     from celery_exclusive.core.config import Settings
 
@@ -114,6 +104,16 @@ def test_the_cli_page_lists_every_command(site):
 
 def test_the_cli_page_shows_the_stores_environment_variable(site):
     assert "env var: EXCLUSIVE_BACKEND_URL" in text_of(site / "reference" / "cli" / "index.html")
+
+
+def test_the_cli_page_shows_the_store_options_on_every_command(site):
+    from celery_exclusive.cli import exclusive
+
+    page = text_of(site / "reference" / "cli" / "index.html")
+    sections = page.split("celery -A proj exclusive ")[1:]
+    for name in exclusive.commands:
+        (section,) = [s for s in sections if s.startswith(f"{name} [OPTIONS]")]
+        assert "--backend" in section and "--prefix" in section, name
 
 
 def test_the_changelog_is_a_page_of_the_site(site):

@@ -12,7 +12,9 @@ import pytest
 from click.testing import CliRunner
 
 from celery_exclusive.backends import backend_for_url
-from celery_exclusive.cli.commands import exclusive
+
+# The package's group, with every command registered on it (web too).
+from celery_exclusive.cli import exclusive
 from celery_exclusive.core import marks
 from celery_exclusive.core.lease import acquire
 from tests.support.workers import ROOT
@@ -123,7 +125,7 @@ def test_release_asks_first_and_does_nothing_when_refused(store, held):
 def test_release_with_yes_frees_the_key_and_says_what_it_released(store, held):
     result = run(store, "release", "invoice:7", "--yes")
     assert result.exit_code == 0
-    assert "released exclusive:invoice:7: 1 lease(s), held by task task-7" in result.output
+    assert "released exclusive:invoice:7: 1 lease, held by task task-7" in result.output
     assert backend_for_url(store).holders_of("exclusive:invoice:7") == []
 
 
@@ -167,6 +169,98 @@ def test_the_standalone_command_needs_a_store():
     result = CliRunner().invoke(exclusive, ["ls"], env={"EXCLUSIVE_BACKEND_URL": ""})
     assert result.exit_code == 2
     assert "--backend" in result.output
+
+
+def celery_exclusive(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The standalone ``celery-exclusive`` command, as a process of its own."""
+    return subprocess.run(
+        [sys.executable, "-c", "from celery_exclusive.cli import main; main()", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "EXCLUSIVE_BACKEND_URL": "", "PYTHONPATH": str(ROOT), **(env or {})},
+    )
+
+
+COMMANDS = sorted(exclusive.commands)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_shows_its_help_without_a_store(command):
+    result = celery_exclusive(command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"Usage: celery-exclusive {command} [OPTIONS]")
+    assert "--backend" in result.stdout
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_celery_subcommand_shows_its_help_without_an_app(command, tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "celery", "exclusive", command, "--help"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "EXCLUSIVE_BACKEND_URL": ""},
+    )
+    assert out.returncode == 0, out.stderr
+    assert f"celery exclusive {command} [OPTIONS]" in out.stdout.splitlines()[0]
+
+
+def test_the_store_may_be_named_after_the_command(store, held):
+    result = CliRunner().invoke(exclusive, ["ls", "--json", "--backend", store])
+    assert result.exit_code == 0, result.output
+    assert [row["task_id"] for row in json.loads(result.output)] == ["task-7", "task-8"]
+
+
+def test_the_prefix_may_be_named_after_the_command(store, held):
+    result = CliRunner().invoke(
+        exclusive,
+        ["ls", "--prefix", "exclusive:invoice:8", "--json"],
+        env={"EXCLUSIVE_BACKEND_URL": store},
+    )
+    assert [row["task_id"] for row in json.loads(result.output)] == ["task-8"]
+
+
+def test_the_store_named_after_the_command_wins_over_the_one_before_it(store, held):
+    unreachable = "redis://127.0.0.1:1/0"
+    result = CliRunner().invoke(exclusive, ["--backend", unreachable, "ls", "--backend", store])
+    assert result.exit_code == 0, result.output
+    assert "exclusive:invoice:7" in result.output
+
+
+def test_a_store_on_the_command_line_wins_over_the_environment(store, held):
+    unreachable = "redis://127.0.0.1:1/0"
+    for args in (["--backend", store, "ls"], ["ls", "--backend", store]):
+        result = CliRunner().invoke(exclusive, args, env={"EXCLUSIVE_BACKEND_URL": unreachable})
+        assert result.exit_code == 0, (args, result.output)
+        assert "exclusive:invoice:7" in result.output
+
+
+def test_the_store_named_after_a_celery_subcommand_wins_over_the_apps(store, held):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "tests.support.apps.ledger",
+            "exclusive",
+            "ls",
+            "--json",
+            "--backend",
+            store,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        # The app's own store holds nothing.
+        env={**os.environ, "EXCLUSIVE_TEST_STORE": "memory://", "PYTHONPATH": str(ROOT)},
+    )
+    assert out.returncode == 0, out.stderr
+    assert [r["task_id"] for r in json.loads(out.stdout)] == ["task-7", "task-8"]
 
 
 def test_the_help_names_the_stores_environment_variable():
@@ -220,7 +314,7 @@ def test_inspect_and_release_show_an_odd_key_on_one_line(store, odd_keys_held):
     output = run(store, "inspect", ODD_KEYS[0]).output
     assert output.splitlines()[0] == "exclusive:line\\nbreak: held by 1"
     output = run(store, "release", ODD_KEYS[0], "--yes").output
-    assert output == "released exclusive:line\\nbreak: 1 lease(s), held by task t0 on " + (
+    assert output == "released exclusive:line\\nbreak: 1 lease, held by task t0 on " + (
         f"{backend_for_url(store).holders_of(ODD_KEYS[1])[0].holder['hostname']}\n"
     )
 

@@ -1,16 +1,28 @@
 """What the built wheel carries: type information, the pytest plugin's entry point, and
-extras that are each enough for what they name. Built from a copy of the sources (so
-no build files land in the work tree); nothing is installed."""
+extras that are each enough for what they name; and the release: scripts/release.sh
+builds and checks the sdist and the wheel, run by the release workflow on a tag. Built
+from a copy of the sources (so no build files land in the work tree); anything installed
+goes into a virtual environment of its own."""
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 from email.parser import Parser
+from pathlib import Path
 
 import pytest
+import yaml
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python < 3.11: the docs extra installs tomli
+    import tomli as tomllib  # type: ignore[no-redef]
 
 from tests.support.servers import free_port
 from tests.support.workers import ROOT
@@ -157,3 +169,84 @@ def test_the_web_extra_alone_serves_the_page_from_a_clean_environment(wheel, tmp
     finally:
         server.terminate()
         server.wait(20)
+
+
+# --- the release ------------------------------------------------------------------------
+
+
+def release(checkout, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``bash scripts/release.sh`` in ``checkout``, with this Python first on the PATH."""
+    return subprocess.run(
+        ["bash", "scripts/release.sh", *args],
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={
+            **os.environ,
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+            **(env or {}),
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory) -> Path:
+    """What the release builds from, copied, so that no build files land in the work tree."""
+    copy = tmp_path_factory.mktemp("checkout")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, copy)
+    for folder in ("celery_exclusive", "scripts", "example_project"):
+        shutil.copytree(ROOT / folder, copy / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    return copy
+
+
+def test_the_release_script_builds_and_checks_the_sdist_and_the_wheel(checkout):
+    out = release(checkout, "--no-example")
+    assert out.returncode == 0, out.stdout + out.stderr
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    sdist = f"dist/celery_exclusive-{version}.tar.gz"
+    wheel = f"dist/celery_exclusive-{version}-py3-none-any.whl"
+    assert sorted(p.name for p in (checkout / "dist").iterdir()) == sorted(
+        [Path(sdist).name, Path(wheel).name]
+    )
+    for built in (sdist, wheel):
+        assert re.search(rf"Checking {re.escape(built)}: \S*PASSED", out.stdout), out.stdout
+    assert out.stdout.rstrip().endswith(f"python3 -m twine upload {sdist} {wheel}")
+    with tarfile.open(checkout / sdist) as packed:
+        names = packed.getnames()
+    assert f"celery_exclusive-{version}/README.md" in names
+    assert f"celery_exclusive-{version}/celery_exclusive/web/static/app.js" in names
+
+
+def test_the_release_script_refuses_a_tag_that_is_not_the_version(checkout):
+    out = release(checkout, "--no-example", env={"RELEASE_TAG": "v0.0.0-not-this"})
+    assert out.returncode == 1
+    assert "the tag v0.0.0-not-this does not name the version in pyproject.toml" in out.stderr
+    assert "== build" not in out.stdout
+
+
+def test_the_release_extra_brings_the_tools_the_script_uses(wheel):
+    metadata = Parser().parsestr(dist_info(wheel, "METADATA"))
+    requires = set(metadata.get_all("Requires-Dist"))
+    assert {'build>=1.2; extra == "release"', 'twine>=6.1; extra == "release"'} <= requires
+
+
+def test_the_release_workflow_runs_the_script_on_a_tag():
+    workflow = yaml.safe_load((ROOT / ".github" / "workflows" / "release.yml").read_text())
+    # YAML 1.1 reads the key "on" as True.
+    assert workflow[True]["push"]["tags"] == ["v*"]
+    (job,) = workflow["jobs"].values()
+    runs = [step["run"] for step in job["steps"] if "run" in step]
+    assert runs == ["bash scripts/release.sh --upload"]
+    assert [s["env"]["RELEASE_TAG"] for s in job["steps"] if "run" in s] == [
+        "${{ github.ref_name }}"
+    ]
+
+
+def test_the_readme_installs_from_a_checkout_while_the_package_is_not_published():
+    readme = (ROOT / "README.md").read_text()
+    install = readme.split("## Install", 1)[1].split("\n## ", 1)[0]
+    (command,) = re.findall(r"```sh\n(.*?)\n```", install, re.S)
+    assert command == "pip install '.[redis]'"
+    assert "not on PyPI yet" in install

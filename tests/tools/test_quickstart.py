@@ -10,6 +10,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -70,9 +71,9 @@ def start_in(worker: LoggedProcess, folder) -> None:
     worker.wait_for_log(worker.ready_text, timeout=60)
 
 
-def test_the_quick_start_prints_one_run_and_one_skipped_duplicate(quickstart):
-    folder, worker = quickstart
-    out = subprocess.run(
+def call(folder) -> subprocess.CompletedProcess:
+    """``python call.py``, run in the quick start's folder as the README says."""
+    return subprocess.run(
         [sys.executable, "call.py"],
         cwd=folder,
         capture_output=True,
@@ -80,6 +81,11 @@ def test_the_quick_start_prints_one_run_and_one_skipped_duplicate(quickstart):
         timeout=60,
         env={**os.environ, "XDG_STATE_HOME": str(folder / "state"), "PYTHONPATH": ""},
     )
+
+
+def test_the_quick_start_prints_one_run_and_one_skipped_duplicate(quickstart):
+    folder, worker = quickstart
+    out = call(folder)
     assert out.returncode == 0, out.stderr + worker.output()
     printed = out.stdout.splitlines()
     output = the("output")
@@ -93,6 +99,28 @@ def test_the_quick_start_prints_one_run_and_one_skipped_duplicate(quickstart):
     (skipped,) = [line for line in printed if line.startswith("skipped:")]
     ran_id = holder_id.search(skipped).group(0)
     assert f"Task tasks.settle[{ran_id}] succeeded" in worker.output()
+
+
+def test_the_quick_start_prints_within_the_time_the_readme_says(quickstart):
+    folder, worker = quickstart
+    started = time.monotonic()
+    out = call(folder)
+    took = time.monotonic() - started
+    print(f"\npython call.py printed in {took:.2f}s")
+    assert out.returncode == 0, out.stderr + worker.output()
+    low, high = the_readme_s_bounds()
+    assert low <= took <= high
+
+
+def the_readme_s_bounds() -> tuple[float, float]:
+    """The seconds the README says ``python call.py`` takes to print, as written above
+    its output: "... between three and six seconds after it starts ..."."""
+    numbers = {"two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8}
+    prose = " ".join(the("output").before.split())
+    found = re.search(r"between (\w+) and (\w+) seconds after it starts", prose)
+    assert found, "the README no longer says how long the quick start takes to print"
+    low, high = found.groups()
+    return float(numbers[low]), float(numbers[high])
 
 
 def test_the_quick_start_keeps_its_leases_in_the_embedded_default_store(quickstart):

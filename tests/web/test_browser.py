@@ -133,6 +133,19 @@ def artifacts() -> Path:
     return folder
 
 
+def test_the_count_of_held_keys_is_in_words(browser, page, sqlite_url):
+    from celery_exclusive.web import create_app
+
+    lease = acquire(backend_for_url(sqlite_url), "exclusive:invoice:7", 30, name="settle")
+    try:
+        with Served(create_app(sqlite_url, refresh=0.3)) as served:
+            page.goto(served.url)
+            row(page, "exclusive:invoice:7").wait_for(timeout=15_000)
+            assert page.locator("#held-count").inner_text() == "(1 key)"
+    finally:
+        lease.release()
+
+
 def test_the_page_shows_the_workers_leases_and_drops_them_when_they_end(stack, served, page):
     _, web_app, _ = stack
     results = [web_app.hold.delay(n, 4.0) for n in (1, 2)]

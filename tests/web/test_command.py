@@ -40,3 +40,26 @@ def test_a_short_release_token_is_refused_with_one_line(sqlite_url):
     assert process.process.returncode != 0
     assert "Error: the web view's release token has 5 characters; use at least 16" in output
     assert "Traceback" not in output
+
+
+def test_the_standalone_command_serves_the_store_named_after_web(sqlite_url):
+    port = free_port()
+    server = LoggedProcess(
+        [
+            sys.executable,
+            "-c",
+            "from celery_exclusive.cli import main; main()",
+            "web",
+            "--backend",
+            sqlite_url,
+            "--port",
+            str(port),
+        ],
+        {"EXCLUSIVE_BACKEND_URL": ""},
+        "web-cli",
+    )
+    server.ready_text = "Uvicorn running"
+    with server:
+        assert f"celery-exclusive web: {sqlite_url} on http://127.0.0.1:{port}/" in server.output()
+        page = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5).read()
+        assert b"celery-exclusive" in page

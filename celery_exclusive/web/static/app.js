@@ -149,7 +149,8 @@
     }
     body.replaceChildren(...rows);
     $("empty").hidden = page.keys.length > 0;
-    $("held-count").textContent = "(" + page.keys.length + (page.cursor ? "+ keys on this page" : " keys") + ")";
+    const keys = page.keys.length === 1 ? " key" : " keys";
+    $("held-count").textContent = "(" + page.keys.length + (page.cursor ? "+" + keys + " on this page" : keys) + ")";
     state.next = page.cursor;
     $("next").disabled = !page.cursor;
     $("first").disabled = state.cursor === null;
