@@ -12,13 +12,14 @@ import functools
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Optional, TypeVar
 
 import click
 from click.core import ParameterSource
 
 from ..backends import Backend, LeaseInfo, backend_for_url
-from ..core import config, marks
+from ..core import config, holders, marks
 from ..errors import ExclusiveError
 from . import display
 
@@ -252,8 +253,10 @@ def _holder_field(name: str, value: Any) -> str:
 @with_target
 @one_line_errors
 def release(target: Target, key: str, yes: bool) -> None:
-    """Free KEY whoever holds it. Its running holder finds its lease lost at its next
-    renewal (and, under on_lease_lost="terminate", is stopped then)."""
+    """Free KEY of this library's holders (tasks, jobs, locks), after asking. It stops
+    nobody: a running holder finds its lease lost at its next renewal (and, under
+    on_lease_lost="terminate", is stopped then). A foreign client's lock on KEY (a
+    ?recipe= store) is never freed: it is named and left alone."""
     full = target.full_key(key)
     shown = display.one_line(full, limit=None)
 
@@ -263,29 +266,53 @@ def release(target: Target, key: str, yes: bool) -> None:
     released = release_key(target.backend, full, confirm)
     if released is None:
         click.echo(f"{shown}: not held, nothing released")
+        return
+    if released.holders:
+        leases = display.counted(released.count, "lease", "leases")
+        click.echo(f"released {shown}: {leases}, held by {held_by(released.holders)}")
     else:
-        count, infos = released
-        leases = display.counted(count, "lease", "leases")
-        click.echo(f"released {shown}: {leases}, held by {held_by(infos)}")
+        click.echo(f"{shown}: nothing released")
+    if released.left:
+        click.echo(f"{shown}: {left_alone(released.left)}")
+
+
+@dataclass(frozen=True)
+class Released:
+    """What a release did to a key: ``count`` leases freed, whose they were
+    (``holders``), and the foreign holders it ``left`` alone."""
+
+    count: int
+    holders: list[LeaseInfo]
+    left: list[LeaseInfo]
 
 
 def release_key(
     backend: Backend, key: str, confirm: Callable[[list[LeaseInfo]], bool]
-) -> Optional[tuple[int, list[LeaseInfo]]]:
-    """Free ``key`` whoever holds it, once ``confirm`` approved its holders as read now:
-    how many leases went, and whose they were; None if nobody held it, or ``confirm``
-    said no. The CLI's ``release`` and the web view's share it."""
+) -> Optional[Released]:
+    """Free ``key`` of this library's holders, once ``confirm`` approved them as read
+    now; None if nobody held it, or ``confirm`` said no. Foreign holders (clients of the
+    store's own lock recipe) are never freed, nor asked about: they are only named, in
+    ``Released.left``. The CLI's ``release`` and the web view's share it."""
     infos = backend.holders_of(key)
-    if not infos or not confirm(infos):
+    ours = [info for info in infos if not holders.foreign(info)]
+    left = [info for info in infos if holders.foreign(info)]
+    if not infos or (ours and not confirm(ours)):
         return None
+    if not ours:
+        return Released(0, [], left)
     # Remembered first, so that the holders say "released by an operator" when they find out.
-    marks.mark_released(backend, key, [i.fencing_token for i in infos if i.fencing_token])
-    return backend.force_release(key), infos
+    marks.mark_released(backend, key, [i.fencing_token for i in ours if i.fencing_token])
+    return Released(backend.force_release(key), ours, left)
 
 
 def held_by(infos: list[LeaseInfo]) -> str:
-    """The holders of a key, for people: ``task <id> on <host>, ...``."""
-    return ", ".join(f"task {_cell(i.task_id)} on {_cell(i.holder.get('hostname'))}" for i in infos)
+    """The holders of a key, for people, on one line: ``task <id> on <host>, ...``."""
+    return display.one_line(holders.all_described(infos), limit=None)
+
+
+def left_alone(infos: list[LeaseInfo]) -> str:
+    """What a release says of the foreign holders it left alone."""
+    return f"left alone: {held_by(infos)}; free it with its own client"
 
 
 @exclusive.command()

@@ -51,7 +51,8 @@ FLUSH_DELAY = 0.2
 RETRY_FIRST, RETRY_MAX = 1.0, 30.0
 
 #: The outcomes of ``policies.claim`` that are reported, and the field naming whom the
-#: duplicate yielded to.
+#: duplicate yielded to: a task id (a holder that is no task is named in words, in the
+#: event's ``holder``).
 OUTCOMES: dict[type, tuple[str, str]] = {
     Skipped: ("skipped", "holder_task_id"),
     Requeue: ("requeued", "holder_task_id"),
@@ -194,6 +195,8 @@ def reported(claim: Callable[..., Any]) -> Callable[..., Any]:
         if reported_as is not None:
             kind, whom = reported_as
             fields = {"task": name, "task_id": task_id, "other": getattr(outcome, whom, None)}
+            if getattr(outcome, "holder", None):
+                fields["holder"] = outcome.holder  # a lock, a foreign client (holders.py)
             if kind == "requeued":
                 fields["countdown"] = round(outcome.countdown, 3)
             feed().note(backend, settings.key_prefix, kind, key, **fields)

@@ -21,7 +21,7 @@ from .. import runtime, signals
 from ..backends import NO_END, Backend, End, Lease, MarkRead, MarkSwap
 from ..backends.base import require
 from ..errors import LOSS_ADVICE, BackendUnavailable, ExclusiveError, LeaseLost
-from . import losses
+from . import holders, losses
 from .deadline import keeper, safety_margin
 from .heartbeat import heartbeat
 
@@ -137,7 +137,8 @@ class HeldLease:
         write. A released lease (its retry was sent, its call ended) is not held either."""
         if self.released and self.lost_reason is None:
             raise LeaseLost(
-                f"{self.name}[{self.task_id}] no longer holds its lease on {self.key!r}: it "
+                f"{holders.holding(self.name, self.task_id)} no longer holds its lease on "
+                f"{self.key!r}: it "
                 "was released (a retry of this call was sent). Stop here: the work is no "
                 "longer exclusive.",
                 self.key,
@@ -155,7 +156,7 @@ class HeldLease:
         if reason is None:
             reason, cause = self._expiry_reason(), "expired"
         return LeaseLost(
-            f"{self.name}[{self.task_id}] lost its lease on {self.key!r} "
+            f"{holders.holding(self.name, self.task_id)} lost its lease on {self.key!r} "
             f"({reason}); another worker may now hold it. Stop here: the work "
             f"is no longer exclusive. {LOSS_ADVICE[cause or 'unknown']}",
             self.key,

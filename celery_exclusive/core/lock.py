@@ -133,7 +133,9 @@ class ExclusiveLock:
                 limit=self.limit,
                 wait_timeout=self.wait,
             )
-            lease = policies.wait_for(settings, backend, self.key, self.name, None)
+            lease = policies.wait_for(
+                settings, backend, self.key, self.name, None, holder=LOCK_RECORD
+            )
         if lease is None:
             raise self._held(backend)
         return lease

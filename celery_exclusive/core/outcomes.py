@@ -132,7 +132,8 @@ class Requeue:
     ``cause`` says why: ``"held"`` (a duplicate), ``"unanswered"`` (the store did not
     answer) or ``"lost"`` (the body was stopped by the loss of its lease).
     ``requeues`` is the count the call carries from now on; ``reason`` says why in
-    words, for logs and messages.
+    words, for logs and messages. A duplicate yields to the task ``holder_task_id`` or,
+    when that is no task, to ``holder`` in words (a lock, a foreign client).
 
     ``args`` and ``kwargs`` are what the call is sent again with: a body stopped by the
     loss of its lease while it ran as the pending rerun of its key ran with the
@@ -151,6 +152,8 @@ class Requeue:
     #: When the change the call's arguments carry first reached the library (under
     #: ``rerun``): sent along, so that it never replaces a newer change when it comes back.
     as_of: Optional[float] = None
+    #: The holder in words, when it is no task (a lock, a foreign client).
+    holder: Optional[str] = None
 
     def carry_out(self, host: OutcomeHandler) -> Any:
         return host.handle_requeue(self)

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import random
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from .. import runtime, signals
 from ..backends import Backend, MarkRead
@@ -79,6 +80,7 @@ class Duplicate:
             "held",
             self.requeues + 1,
             self.holder,
+            holder=self.described,
         )
 
     def granted(self, lease: HeldLease) -> Union[Granted, Dropped]:
@@ -217,7 +219,8 @@ def claim(
 
     if redelivery and marks.ended(finished, retries, resumed):
         return Dropped(key)  # even where a later attempt (a retry) holds the key
-    # Whom this call yields to: a holder, or else whoever is first in line for the key.
+    # Whom this call yields to: a task holding the key, else any holder (a lock, a
+    # foreign client: named in words), else whoever is first in line for the key.
     infos = backend.holders_of(key)
     holding = [info.task_id for info in infos if info.task_id]
     if redelivery and task_id and (task_id in holding or marks.waiting(backend, key, task_id)):
@@ -230,8 +233,10 @@ def claim(
         finished = marks.finished_mark(backend, key, task_id)
         if marks.ended(finished, retries, resumed):
             return Dropped(key)
-    holder = next(iter(holding), None) or next(iter(marks.line_of(backend, key)), None)
     described = None if holding else holders.first_described(infos)
+    holder = next(iter(holding), None)
+    if holder is None and described is None:
+        holder = next(iter(marks.line_of(backend, key)), None)
     duplicate = Duplicate(
         settings,
         backend,
@@ -269,6 +274,7 @@ def wait_for(
     task_id: Optional[str],
     priority: bool = False,
     keep_place: Optional[float] = None,
+    holder: Optional[Mapping[str, Any]] = None,
 ) -> Optional[HeldLease]:
     """Stand in the key's line and wait up to ``wait_timeout`` for its turn.
 
@@ -278,6 +284,8 @@ def wait_for(
     line that often, and notices a holder that died without releasing (its lease
     simply expires). On timeout the caller steps out of the line and None is
     returned; with ``keep_place`` it keeps its place for that many seconds instead.
+    ``holder`` is written beside the grant, as :func:`.lease.acquire` takes it (a lock's
+    says it is one).
     """
     claimant = task_id or uuid.uuid4().hex  # a direct call has no task id
     deadline = runtime.monotonic() + settings.wait_timeout
@@ -296,7 +304,7 @@ def wait_for(
             marks.take_place(backend, key, claimant, grace, priority)
             renewed_at = now
         backend.wait(key, min(deadline, renewed_at + beat) - now, claimant)
-        lease = _try(settings, backend, key, name, task_id, claimant)
+        lease = _try(settings, backend, key, name, task_id, claimant, holder)
         if lease is not None:
             return lease  # the grant took this caller out of the line
         if runtime.monotonic() - now < SPIN_PAUSE:
@@ -333,11 +341,19 @@ def _try(
     name: str,
     task_id: Optional[str],
     claimant: Optional[str],
+    holder: Optional[Mapping[str, Any]] = None,
 ) -> Optional[HeldLease]:
     """Try once to take ``key``; ``claimant`` is what the key's line knows the caller
     by: its task id, or a direct call's own id."""
     return acquire(
-        backend, key, settings.lease_ttl, settings.limit, name, task_id, claimant=claimant
+        backend,
+        key,
+        settings.lease_ttl,
+        settings.limit,
+        name,
+        task_id,
+        holder=holder,
+        claimant=claimant,
     )
 
 

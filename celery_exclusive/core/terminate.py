@@ -50,7 +50,7 @@ import sys
 from typing import Any, Callable, Optional
 
 from .. import runtime
-from . import kill_notes
+from . import holders, kill_notes
 from .lease import HeldLease
 from .per_process import PerProcess
 
@@ -101,7 +101,7 @@ class _Stopper:
 
     @property
     def label(self) -> str:
-        return f"{self.lease.name}[{self.lease.task_id}]"
+        return holders.holding(self.lease.name, self.lease.task_id)
 
     def lost(self, lease: HeldLease) -> None:
         """The lease is gone: interrupt the body (called in the thread that found it)."""

@@ -46,9 +46,9 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..backends import Backend, backend_for_url
-from ..cli.commands import held_by, release_key
+from ..cli.commands import Released, held_by, left_alone, release_key
 from ..cli.display import counted
-from ..core import feed
+from ..core import feed, holders
 from ..errors import ExclusiveError
 from . import views
 
@@ -359,7 +359,7 @@ async def release(request: Request) -> Response:
         # to a healthy holder since.
         return sorted(info.fencing_token or 0 for info in infos) == confirmed
 
-    def free() -> Optional[tuple[int, list]]:
+    def free() -> Optional[Released]:
         return release_key(settings.backend, key, confirm)
 
     try:
@@ -371,20 +371,25 @@ async def release(request: Request) -> Response:
             {"error": "its holders changed since you confirmed (or it was freed): look again"},
             409,
         )
-    count, infos = released
+    done = [counted(released.count, "lease", "leases")]
+    if released.holders:
+        done.append(f"held by {held_by(released.holders)}")
+    if released.left:
+        done.append(left_alone(released.left))
     logger.warning(
-        "web: released key=%r (%s, held by %s; fencing tokens %s) for %s",
-        key,
-        counted(count, "lease", "leases"),
-        held_by(infos),
-        confirmed,
-        who,
+        "web: released key=%r (%s; fencing tokens %s) for %s", key, "; ".join(done), confirmed, who
     )
-    await run_in_threadpool(_report_release, settings, key, count, infos, who)
-    return JSONResponse({"released": count, "key": key})
+    await run_in_threadpool(_report_release, settings, key, released, who)
+    return JSONResponse(
+        {
+            "released": released.count,
+            "key": key,
+            "left_alone": [holders.describe(info) for info in released.left],
+        }
+    )
 
 
-def _report_release(settings: ViewSettings, key: str, count: int, infos: list, who: Any) -> None:
+def _report_release(settings: ViewSettings, key: str, released: Released, who: Any) -> None:
     """Put the release in the feed, for everyone watching; a store that does not
     take it leaves it in the log only."""
     event = {
@@ -392,8 +397,9 @@ def _report_release(settings: ViewSettings, key: str, count: int, infos: list, w
         "at": time.time(),
         "kind": "released",
         "key": key,
-        "count": count,
-        "other": ", ".join(str(info.task_id) for info in infos),
+        "count": released.count,
+        "holder": holders.all_described(released.holders) if released.holders else None,
+        "left_alone": holders.all_described(released.left) if released.left else None,
         "by": str(who),
     }
     try:

@@ -16,7 +16,7 @@ from ..backends import Backend, LeaseInfo
 from ..backends.base import HeldKey
 from ..backends.line import LINE, entries_of, until_of
 from ..beat.records import SentRun
-from ..core import marks
+from ..core import holders, marks
 from ..core.feed import read_events
 from ..errors import ExclusiveError
 
@@ -64,6 +64,9 @@ def lease(backend: Backend, info: LeaseInfo) -> dict[str, Any]:
     renewed = info.renewed_ago
     limit = holder.get("limit")
     return {
+        # Who holds it, in words (a task, a lock, a foreign client): what the page names.
+        "holder": holders.describe(info),
+        "foreign": holders.foreign(info),
         "task": _text(holder.get("task")),
         "task_id": _text(info.task_id),
         "hostname": _text(holder.get("hostname")),

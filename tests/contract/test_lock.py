@@ -89,6 +89,17 @@ def test_a_waiting_lock_gives_up_after_its_wait_and_names_the_holder(store):
     run.lease.release()
 
 
+def test_a_lock_that_waited_for_its_key_is_named_as_a_lock(store):
+    run = task_call(store, "task-1")
+    threading.Timer(0.3, run.lease.release).start()
+    with lock(store).waiting(20):
+        outcome = task_call(store, "task-2")
+    assert isinstance(outcome, outcomes.Skipped)
+    assert outcome.holder == (
+        f"an exclusive lock of billing.settle in process {os.getpid()} on {os.uname().nodename}"
+    )
+
+
 def test_async_with_holds_off_a_task_call_and_gives_the_key_back(store):
     async def block() -> tuple:
         async with lock(store) as lease:
@@ -129,3 +140,13 @@ def test_a_lease_lost_inside_a_block_is_signalled_and_raised_as_it_exits(store):
     finally:
         signals.lease_lost.disconnect(record)
     assert lost == [("billing.settle", KEY)]
+
+
+def test_a_lease_lost_inside_a_block_is_raised_naming_the_lock_by_its_name_and_process(store):
+    with pytest.raises(LeaseLost, match="was lost while its block ran"), lock(store) as lease:
+        backend_for_url(store).force_release(KEY)
+        heartbeat().beat()
+        with pytest.raises(LeaseLost) as raised:
+            lease.ensure_held()
+    holder = f"billing.settle in process {os.getpid()} on {os.uname().nodename}"
+    assert str(raised.value).startswith(f"{holder} lost its lease on {KEY!r} (")

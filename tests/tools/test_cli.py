@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 
+import psycopg
 import pytest
+import redis
 from click.testing import CliRunner
 
+from celery_exclusive import ExclusiveLock
 from celery_exclusive.backends import backend_for_url
 
 # The package's group, with every command registered on it (web too).
@@ -18,6 +22,8 @@ from celery_exclusive.cli import exclusive
 from celery_exclusive.core import marks
 from celery_exclusive.core.lease import acquire
 from tests.support.workers import ROOT
+
+HOSTNAME = socket.gethostname()
 
 
 @pytest.fixture(params=["redis", "sqlite"])
@@ -127,6 +133,62 @@ def test_release_with_yes_frees_the_key_and_says_what_it_released(store, held):
     assert result.exit_code == 0
     assert "released exclusive:invoice:7: 1 lease, held by task task-7" in result.output
     assert backend_for_url(store).holders_of("exclusive:invoice:7") == []
+
+
+def test_release_asks_naming_the_lock_that_holds_the_key_by_its_name_and_process(store):
+    with ExclusiveLock("exclusive:report", store, 30, name="billing.report"):
+        result = run(store, "release", "report", input="n\n")
+        assert backend_for_url(store).holders_of("exclusive:report")
+    lock = f"an exclusive lock of billing.report in process {os.getpid()} on {HOSTNAME}"
+    assert f"Release exclusive:report, held by {lock}?" in result.output
+
+
+# --- a key a foreign client holds (a ?recipe= store) ---------------------------------------
+
+
+@pytest.fixture
+def redis_recipe(redis_url):
+    """A Redis store speaking the SET NX recipe, and redis-py on the same database."""
+    return redis_url + "?recipe=set-nx", redis.Redis.from_url(redis_url)
+
+
+def test_release_of_a_key_a_redis_py_lock_holds_frees_nothing_and_names_it_left_alone(
+    redis_recipe,
+):
+    store, client = redis_recipe
+    theirs = client.lock("exclusive:invoice:7", timeout=30)
+    assert theirs.acquire(blocking=False)
+    token = theirs.local.token.decode()
+    result = run(store, "release", "invoice:7")  # nothing of ours to free: nothing asked
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines() == [
+        "exclusive:invoice:7: nothing released",
+        "exclusive:invoice:7: left alone: a client of Redis's SET NX lock recipe (redis-py "
+        f"Lock, python-redis-lock, redsync...) with the value {token!r}, not taken by "
+        "celery-exclusive; free it with its own client",
+    ]
+    assert client.get("exclusive:invoice:7") == theirs.local.token
+    assert theirs.release() is None  # still theirs to release
+
+
+def test_release_of_a_key_a_postgresql_session_holds_frees_nothing_and_names_it_left_alone(
+    postgres_server, postgresql_url
+):
+    store = postgresql_url + "&recipe=advisory"
+    with psycopg.connect(postgres_server.url, autocommit=True) as theirs:
+        sql = "('x' || left(md5(%s), 16))::bit(64)::bigint"
+        theirs.execute(f"SELECT pg_advisory_lock({sql})", ("exclusive:invoice:7",))
+        pid = theirs.info.backend_pid
+        result = run(store, "release", "invoice:7", "--yes")
+        assert result.exit_code == 0, result.output
+        assert "exclusive:invoice:7: nothing released" in result.output
+        assert re.search(
+            rf"left alone: a PostgreSQL session advisory lock on -?\d+ held by backend {pid} "
+            r"\(user postgres.*\), not taken by celery-exclusive; free it with its own client",
+            result.output,
+        ), result.output
+        unlocked = theirs.execute(f"SELECT pg_advisory_unlock({sql})", ("exclusive:invoice:7",))
+        assert unlocked.fetchone() == (True,)  # its session held it all along
 
 
 def test_watch_refreshes_the_table(store, held):

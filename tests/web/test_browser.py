@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import threading
 import time
 from pathlib import Path
 
 import pytest
+import redis
 
+from celery_exclusive import ExclusiveLock, LeaseLost
 from celery_exclusive.backends import backend_for_url
+from celery_exclusive.core.heartbeat import heartbeat
 from celery_exclusive.core.lease import acquire
 from tests.support.servers import free_port
 from tests.support.workers import ROOT, Worker
@@ -33,6 +37,7 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 TOKEN = "browser-test-release-token-0123456789"
+HOSTNAME = socket.gethostname()
 
 pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="apt-get install chromium")
 
@@ -223,6 +228,38 @@ def test_a_release_with_the_token_frees_a_workers_lease_and_its_loss_is_reported
     stuck.forget()
 
 
+def test_the_release_dialog_names_a_lock_by_its_name_and_process_and_stops_nobody(
+    stack, served, page
+):
+    store = stack[0]
+    lease = ExclusiveLock("exclusive:report:21", store, 30, name="billing.report").acquire()
+    holder = f"an exclusive lock of billing.report in process {os.getpid()} on {HOSTNAME}"
+    try:
+        page.goto(served[0].url)
+        held = row(page, "exclusive:report:21")
+        held.wait_for(timeout=20_000)
+        held.get_by_role("button", name="Release…").click()
+        shown = page.locator("#confirm-holders").inner_text()
+        assert shown == f"{holder}, fencing token {lease.fencing_token}"
+        note = page.locator("#confirm-note").inner_text()
+        assert "stops nobody" in note and "is stopped" not in note
+        page.fill("#token", TOKEN)
+        page.click("#do-release")
+        held.wait_for(state="detached", timeout=10_000)
+        event = page.locator('#feed li[data-kind="released"]', has_text="exclusive:report:21")
+        event.wait_for(timeout=10_000)
+        assert f"held by {holder}" in event.inner_text()
+        # The lock finds its lease gone at its next renewal, and says whose it was.
+        heartbeat().beat()
+        with pytest.raises(LeaseLost) as lost:
+            lease.ensure_held()
+        assert str(lost.value).startswith(
+            f"billing.report in process {os.getpid()} on {HOSTNAME} lost its lease"
+        )
+    finally:
+        lease.release()
+
+
 def test_without_the_token_the_page_is_read_only(stack, served, page):
     store, web_app, _ = stack
     running = web_app.hold.delay(6, 5.0)
@@ -259,3 +296,40 @@ def test_a_screenshot_of_the_live_page_is_kept(stack, served, page):
     for result in results[:2]:
         result.get(timeout=30)
     shutil.copy(path, artifacts() / "web-view-latest.png")
+
+
+# --- a key a foreign client holds (?recipe=set-nx) -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def recipe_stack(redis_server):
+    """A worker whose store takes Redis's SET NX lock recipe, and the page of that store."""
+    from celery_exclusive.web import create_app
+    from tests.conftest import fresh_redis_db
+
+    broker, store = fresh_redis_db(redis_server), fresh_redis_db(redis_server) + "?recipe=set-nx"
+    env = {"EXCLUSIVE_TEST_BROKER": broker, "EXCLUSIVE_TEST_STORE": store}
+    worker = Worker("tests.support.apps.web_app", env, name="web-recipe").start()
+    with Served(create_app(store, refresh=0.3)) as served:
+        yield redis.Redis.from_url(store.partition("?")[0]), Tasks(broker), served
+    worker.stop()
+
+
+def test_a_duplicate_skipped_for_a_redis_py_lock_is_shown_in_the_feed_naming_it(recipe_stack, page):
+    client, tasks, served = recipe_stack
+    theirs = client.lock("exclusive:job:20", timeout=30)
+    assert theirs.acquire(blocking=False)
+    token = theirs.local.token.decode()
+    try:
+        page.goto(served.url)
+        assert tasks.hold.delay(20, 0).get(timeout=20)["outcome"] == "skipped"
+        event = page.locator('#feed li[data-kind="skipped"]', has_text="exclusive:job:20")
+        event.wait_for(timeout=15_000)
+        shown = event.inner_text()
+    finally:
+        theirs.release()
+    assert (
+        "held by a client of Redis's SET NX lock recipe (redis-py Lock, python-redis-lock, "
+        f"redsync...) with the value {token!r}, not taken by "
+        "celery-exclusive"
+    ) in shown

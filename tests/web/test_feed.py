@@ -4,10 +4,13 @@ in batches, bounded, whatever the store does meanwhile."""
 from __future__ import annotations
 
 import json
+import os
+import socket
 import time
 
 import pytest
 
+from celery_exclusive import ExclusiveLock
 from celery_exclusive.backends import backend_for_url
 from celery_exclusive.core import feed as feed_module
 from celery_exclusive.core.feed import Feed, append_events, read_events
@@ -111,6 +114,21 @@ def test_each_duplicate_outcome_is_reported_with_whom_it_yielded_to(sqlite_url, 
         assert event["other"] == ("r-1" if policy == "rerun" else "holder-1")
     finally:
         holder.release()
+
+
+@pytest.mark.parametrize("policy, kind", [("skip", "skipped"), ("requeue", "requeued")])
+def test_a_duplicate_that_yielded_to_a_lock_is_reported_naming_the_lock(sqlite_url, policy, kind):
+    from celery_exclusive.core import config, policies
+
+    backend = backend_for_url(sqlite_url)
+    settings = config.Settings(backend_url=sqlite_url, lease_ttl=30, on_duplicate=policy)
+    with ExclusiveLock("exclusive:k", sqlite_url, 30, name="billing.report"):
+        policies.claim(settings, backend, "exclusive:k", "t", "dup-1")
+        [event] = wait_for(lambda: [json.loads(e) for e in read_events(backend, "exclusive:")])
+    assert (event["kind"], event["task_id"], event["other"]) == (kind, "dup-1", None)
+    assert event["holder"] == (
+        f"an exclusive lock of billing.report in process {os.getpid()} on {socket.gethostname()}"
+    )
 
 
 def test_a_call_that_gets_its_key_reports_nothing(sqlite_url):

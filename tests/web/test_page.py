@@ -10,6 +10,7 @@ import json
 import logging
 
 import pytest
+import redis
 from starlette.testclient import TestClient
 
 from celery_exclusive.backends import backend_for_url
@@ -179,6 +180,25 @@ def test_a_release_with_the_token_frees_the_key_and_logs_who(store, held, caplog
     assert "for testclient:" in caplog.text
     [event] = [e for e in snapshot(web)["feed"]["events"] if e["kind"] == "released"]
     assert event["key"] == "exclusive:invoice:7"
+
+
+def test_a_release_of_a_key_a_redis_py_lock_holds_frees_nothing_and_names_it(redis_url):
+    store, direct = redis_url + "?recipe=set-nx", redis.Redis.from_url(redis_url)
+    theirs = direct.lock("exclusive:invoice:7", timeout=30)
+    assert theirs.acquire(blocking=False)
+    token = theirs.local.token
+    web = client(store, release_token=TOKEN)
+    answer = release(web, "exclusive:invoice:7", [])  # the page confirms none of ours
+    assert answer.status_code == 200, answer.text
+    foreign = (
+        "a client of Redis's SET NX lock recipe (redis-py Lock, python-redis-lock, redsync...) "
+        f"with the value {token.decode()!r}, not taken by celery-exclusive"
+    )
+    assert answer.json() == {"released": 0, "key": "exclusive:invoice:7", "left_alone": [foreign]}
+    assert direct.get("exclusive:invoice:7") == token
+    [event] = [e for e in snapshot(web)["feed"]["events"] if e["kind"] == "released"]
+    assert (event["count"], event["holder"], event["left_alone"]) == (0, None, foreign)
+    theirs.release()
 
 
 def test_a_release_with_a_wrong_token_is_refused(store, held):

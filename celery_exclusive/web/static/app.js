@@ -113,7 +113,7 @@
           tr.append(key);
         }
         tr.append(
-          cell(lease.task),
+          cell(lease.foreign ? lease.holder : lease.task), // a foreign client: what the store names it by
           cell(lease.task_id, "mono"),
           cell(lease.hostname),
           cell(lease.pid, "num"),
@@ -240,9 +240,15 @@
         li.append(code, " ");
         const detail = [];
         if (event.task) detail.push(event.task + (event.task_id ? "[" + event.task_id + "]" : ""));
+        // Whom it was held by: a task id, or a holder that is no task in words (a lock, a
+        // foreign client); events of earlier versions name task ids only.
+        const holder = event.holder || event.other;
         if (event.kind === "coalesced" && event.other) detail.push("into rerun " + event.other);
-        else if (event.kind === "released") detail.push("held by " + event.other + ", by " + event.by);
-        else if (event.other) detail.push("held by " + event.other);
+        else if (event.kind === "released") {
+          if (holder) detail.push("held by " + holder);
+          if (event.left_alone) detail.push("left alone: " + event.left_alone);
+          detail.push("by " + event.by);
+        } else if (holder) detail.push("held by " + holder);
         if (event.kind === "requeued" && typeof event.countdown === "number") detail.push("back in " + duration(event.countdown));
         if (event.reason) detail.push(event.reason);
         if (event.host && event.kind !== "released") detail.push("on " + event.host + " pid " + event.pid);
@@ -291,18 +297,15 @@
   // --- releasing ----------------------------------------------------------------------
 
   function askRelease(held) {
-    state.pending = { key: held.key, tokens: held.leases.map((lease) => lease.fencing_token) };
+    // The holders confirmed are those a release frees: never a foreign client's.
+    const ours = held.leases.filter((lease) => !lease.foreign);
+    state.pending = { key: held.key, tokens: ours.map((lease) => lease.fencing_token) };
     const key = $("confirm-key");
     key.replaceChildren(visible(held.key));
     const holders = held.leases.map((lease) => {
       const li = document.createElement("li");
-      li.append(
-        visible(
-          "task " + (lease.task || "?") + " [" + (lease.task_id || "?") + "] on " + (lease.hostname || "?") +
-            " pid " + (lease.pid === null ? "?" : lease.pid) + ", fencing token " + lease.fencing_token,
-          300
-        )
-      );
+      const token = lease.fencing_token === null ? "" : ", fencing token " + lease.fencing_token;
+      li.append(visible(lease.holder + token + (lease.foreign ? " (left alone)" : ""), 300));
       return li;
     });
     $("confirm-holders").replaceChildren(...holders);
@@ -338,7 +341,8 @@
     state.token = token;
     $("confirm").close();
     const status = $("status");
-    status.textContent = "released " + answer.released + " lease(s)";
+    const left = answer.left_alone && answer.left_alone.length ? "; left alone: " + answer.left_alone.join(", ") : "";
+    status.textContent = "released " + answer.released + " lease(s)" + left;
   }
 
   // --- start ------------------------------------------------------------------------

@@ -55,6 +55,21 @@ def test_a_task_sent_while_psql_holds_the_lock_is_skipped_naming_it(cluster, psq
     assert theirs.unlock("exclusive:p1")
 
 
+def test_the_worker_logs_the_psql_session_a_duplicate_was_skipped_for(cluster, psql):
+    theirs = psql()
+    theirs.lock("exclusive:p9")
+    skipped = ledger_app.hold_skip.delay("p9")
+    with pytest.raises(DuplicateSkipped):
+        skipped.get(timeout=30)
+    assert theirs.unlock("exclusive:p9")
+    [worker] = cluster.workers
+    [line] = [line for line in worker.output().splitlines() if f"task_id={skipped.id}" in line]
+    holder = f"task_id={skipped.id} holder=a PostgreSQL session advisory lock on "
+    assert f"duplicate skipped key=exclusive:p9 {holder}" in line
+    assert f" held by backend {theirs.pid} (user postgres" in line
+    assert line.endswith(", not taken by celery-exclusive")
+
+
 def test_a_waiting_task_runs_as_soon_as_psql_unlocks(cluster, psql):
     theirs = psql()
     theirs.lock("exclusive:p2")

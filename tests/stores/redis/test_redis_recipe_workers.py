@@ -16,6 +16,7 @@ import redis
 import redis_lock
 
 from celery_exclusive import DuplicateSkipped, backend_for_url
+from celery_exclusive.core import marks
 from tests.conftest import fresh_redis_db
 from tests.rq.test_rq_workers import Stack as RQStack
 from tests.rq.test_rq_workers import meta, wait_done
@@ -52,6 +53,37 @@ def test_a_task_sent_while_a_redis_py_lock_holds_its_key_is_skipped_naming_it(cl
     theirs.release()
     assert "SET NX lock recipe" in str(raised.value)
     assert read_ledger(cluster.ledger) == []
+
+
+def test_the_worker_logs_the_redis_py_lock_a_duplicate_was_skipped_for(cluster):
+    theirs = cluster.redis.lock("lock:r8", timeout=30)
+    assert theirs.acquire(blocking=False)
+    token = theirs.local.token.decode()
+    skipped = ledger_app.hold_skip.delay("r8")
+    with pytest.raises(DuplicateSkipped):
+        skipped.get(timeout=30)
+    theirs.release()
+    [worker] = cluster.workers
+    [line] = [line for line in worker.output().splitlines() if f"task_id={skipped.id}" in line]
+    assert line.endswith(
+        f"duplicate skipped key=lock:r8 task_id={skipped.id} holder=a client of Redis's SET NX "
+        "lock recipe (redis-py Lock, python-redis-lock, redsync...) with the value "
+        f"{token!r}, not taken by celery-exclusive"
+    )
+
+
+def test_a_duplicate_names_the_redis_py_lock_holding_the_key_not_a_task_in_its_line(cluster):
+    theirs = cluster.redis.lock("lock:r9", timeout=30, thread_local=False)
+    assert theirs.acquire(blocking=False)
+    waiting = ledger_app.hold_wait.delay("r9")
+    store = backend_for_url(cluster.store)
+    assert wait_until(lambda: marks.line_of(store, "lock:r9") == [waiting.id], timeout=15)
+    with pytest.raises(DuplicateSkipped) as raised:
+        ledger_app.hold_skip.delay("r9").get(timeout=30)
+    theirs.release()
+    assert "is held by a client of Redis's SET NX lock recipe" in str(raised.value)
+    assert raised.value.holder_task_id is None
+    assert waiting.get(timeout=30)["key"] == "r9"  # its turn came once the lock was released
 
 
 def test_a_waiting_task_runs_as_soon_as_the_redis_py_lock_is_released(cluster):
