@@ -106,6 +106,10 @@ class DeadlineKeeper:
                     lease.expire()
                 except Exception:  # never let the thread die: deadlines would pass unseen
                     logger.exception("lease deadline keeper failed key=%s", lease.key)
+                if lease.deadline > runtime.monotonic():
+                    # A renewal confirmed since it was found due moved its deadline:
+                    # not lost, and kept to the new deadline.
+                    self.watch(lease)
 
 
 #: This process's keeper; a forked child gets a fresh one (threads do not fork).

@@ -18,6 +18,8 @@ class WatchedLease(Protocol):
     #: The store that granted it, and the grant (key, owner, token, ttl).
     backend: Backend
     grant: Lease
+    #: The task running under it, for the logs.
+    task_id: Optional[str]
     #: Send time (monotonic) of the last renewal the store confirmed.
     renewed_at: float
     #: How long before the ttl runs out the holder counts the lease as lost.

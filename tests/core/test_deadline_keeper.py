@@ -76,3 +76,26 @@ def test_a_lease_taken_just_after_the_last_was_released_does_not_wake_the_keeper
     finally:
         del deadlines._changed.notify
     assert notified == []
+
+
+def test_a_lease_confirmed_just_as_its_deadline_came_is_kept_to_its_new_deadline(store, losses):
+    """Renewals answer in threads of their own: one may land between the keeper finding
+    the deadline due and flagging the loss. The lease is then not lost, and the keeper
+    keeps it to its new deadline."""
+    sent_at = time.monotonic()
+    lease = acquire(store, "k", ttl=1.0, name="t")
+    heartbeat().discard(lease)  # no renewal but the one below
+    flag = lease.expire
+
+    def confirmed_first() -> None:
+        lease.renewed_at = time.monotonic()  # the answer to a renewal sent just now
+        del lease.expire
+        flag()
+
+    lease.expire = confirmed_first  # type: ignore[method-assign]
+    time.sleep(1.4)  # past the first deadline (0.95 s)
+    assert losses == [] and not lease.lost
+    time.sleep(1.2)  # past the new one (1.9 s)
+    [(told_at, key, cause)] = losses
+    assert key == "k" and cause == "expired"
+    assert sent_at + 1.85 <= told_at < sent_at + 2.4
