@@ -16,7 +16,6 @@ from celery_exclusive.backends import Backend
 from celery_exclusive.backends.line import LINE
 from celery_exclusive.core.feed import append_events, read_events
 from celery_exclusive.errors import ConfigurationError
-from tests.contract.test_backend_contract import needs
 
 
 def owner() -> str:
