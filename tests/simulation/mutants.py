@@ -60,13 +60,6 @@ MUTANTS = [
         "store.clock())",
     ),
     Mutant(
-        "deadline-from-the-answer",
-        "a confirmed renewal extends the deadline from when its answer came, not its send",
-        "core/heartbeat.py",
-        "            self.heartbeat._confirmed(self.leases, lost, self.started)",
-        "            self.heartbeat._confirmed(self.leases, lost, runtime.monotonic())",
-    ),
-    Mutant(
         "deadline-past-the-ttl",
         "the holder's deadline adds the safety margin instead of taking it off",
         "core/lease.py",
