@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from .. import runtime
+from .. import runtime, telemetry
 from ..errors import BackendUnavailable, ExclusiveError
 from .per_process import PerProcess
 
@@ -239,6 +239,9 @@ class Heartbeat:
                     lease.mark_lost("the store no longer has it (expired or taken)")
                     self.discard(lease)
             elif started > lease.renewed_at and not lease.lost:
+                since_last = started - lease.renewed_at
+                if since_last > lease.ttl * telemetry.LATE_SHARE:
+                    lease.trace.renewed_late(since_last, lease.deadline - runtime.monotonic())
                 lease.renewed_at = started
 
     def _renewal_failed(
