@@ -219,7 +219,6 @@ class Trace:
 
     __slots__ = (
         "api",
-        "name",
         "attributes",
         "own_name",
         "span",
@@ -230,9 +229,8 @@ class Trace:
         "in_line",
     )
 
-    def __init__(self, api: _Api, name: str, attributes: dict[str, Any], own_name: str) -> None:
+    def __init__(self, api: _Api, attributes: dict[str, Any], own_name: str) -> None:
         self.api = api
-        self.name = name
         self.attributes = attributes
         #: The name of the span of its own the call gets where no span is current.
         self.own_name = own_name
@@ -444,7 +442,7 @@ _acquiring: ContextVar[Any] = ContextVar("exclusive_acquiring", default=NO_TRACE
 
 
 def call(
-    name: str,
+    name: Optional[str],
     key: str,
     store_url: str,
     policy: str,
@@ -455,21 +453,23 @@ def call(
     own_name: str = "exclusive.call",
 ) -> Any:
     """The trace of one call of task (or job, or lock) ``name`` on ``key``:
-    :data:`NO_TRACE` where the API is not installed."""
+    :data:`NO_TRACE` where the API is not installed. A lock named by its key gives no
+    ``name`` (a span shows the key only as ``trace_keys`` allows)."""
     otel = _api if _loaded else api()
     if otel is None:
         return NO_TRACE
     try:
         attributes: dict[str, Any] = {
-            "exclusive.task": name,
             "exclusive.store": store_label(store_url),
             "exclusive.key": shown_key(key, key_prefix, trace_keys),
             "exclusive.policy": policy,
             "exclusive.limit": limit,
         }
+        if name:
+            attributes["exclusive.task"] = name
         if task_id:
             attributes["exclusive.task_id"] = task_id
-        return Trace(otel, name, attributes, own_name)
+        return Trace(otel, attributes, own_name)
     except Exception:
         _failed()
         return NO_TRACE

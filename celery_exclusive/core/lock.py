@@ -132,7 +132,7 @@ class ExclusiveLock:
 
     def _take(self, own_span: bool = True) -> HeldLease:
         trace = telemetry.call(
-            self.name,
+            None if self.key.endswith(self.name) else self.name,  # a name that is the key
             self.key,
             self.backend_url,
             "wait" if self.wait > 0 else "raise",

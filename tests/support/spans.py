@@ -111,5 +111,5 @@ def call_tree(path: Path, task_id: str, timeout: float = 30) -> Span:
     """The span the call ``task_id`` ran in (Celery's ``run/<task>``, or the library's
     own ``exclusive.call``), with everything beneath it, once it has ended."""
     acquire, _ = wait_for_span(path, acquire_of(task_id), timeout)
-    parent, spans = wait_for_span(path, lambda span: span.span_id == acquire.parent_id, timeout)
+    parent, _ = wait_for_span(path, lambda span: span.span_id == acquire.parent_id, timeout)
     return parent
