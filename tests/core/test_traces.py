@@ -67,9 +67,9 @@ def events(span) -> list[str]:
 def test_a_lock_entered_under_a_span_is_an_acquire_span_beneath_it_and_its_release_an_event(
     sqlite_url, spans
 ):
-    with trace.get_tracer("app").start_as_current_span("request"):
-        with ExclusiveLock("exclusive:invoice:7", sqlite_url, ttl=5, name="settle") as lease:
-            pass
+    lock = ExclusiveLock("exclusive:invoice:7", sqlite_url, ttl=5, name="settle")
+    with trace.get_tracer("app").start_as_current_span("request"), lock as lease:
+        pass
     finished = spans.get_finished_spans()
     request, acquire = named(finished, "request"), named(finished, "exclusive.acquire")
     assert acquire.parent.span_id == request.context.span_id
@@ -94,9 +94,8 @@ def test_a_lock_entered_where_no_span_is_current_gets_one_of_its_own(sqlite_url,
 
 def test_a_lock_that_waited_and_stayed_held_records_its_wait_and_the_error(sqlite_url, spans):
     holder = ExclusiveLock("exclusive:busy", sqlite_url, ttl=5).acquire()
-    with pytest.raises(LockHeld):
-        with ExclusiveLock("exclusive:busy", sqlite_url, ttl=5).waiting(0.3):
-            pass
+    with pytest.raises(LockHeld), ExclusiveLock("exclusive:busy", sqlite_url, ttl=5).waiting(0.3):
+        pass
     holder.release()
     finished = spans.get_finished_spans()
     refused = [s for s in finished if s.attributes.get("exclusive.outcome") == "held"]
@@ -152,12 +151,12 @@ def test_a_store_url_in_a_span_has_no_password_user_or_path():
 
 
 def test_a_late_renewal_is_an_event_on_the_span_of_its_call(sqlite_url, spans):
-    with trace.get_tracer("app").start_as_current_span("request"):
-        with ExclusiveLock("exclusive:late", sqlite_url, ttl=3) as lease:
-            since = lease.renewed_at
-            # The store confirms a renewal sent two thirds of a ttl after the last one.
-            heartbeat()._confirmed([lease], set(), since + 2.0)
-            heartbeat()._confirmed([lease], set(), since + 2.5)  # on time: no event
+    lock = ExclusiveLock("exclusive:late", sqlite_url, ttl=3)
+    with trace.get_tracer("app").start_as_current_span("request"), lock as lease:
+        since = lease.renewed_at
+        # The store confirms a renewal sent two thirds of a ttl after the last one.
+        heartbeat()._confirmed([lease], set(), since + 2.0)
+        heartbeat()._confirmed([lease], set(), since + 2.5)  # on time: no event
     request = named(spans.get_finished_spans(), "request")
     assert events(request) == ["exclusive.renewal.late", "exclusive.lease.released"]
     late = request.events[0].attributes
@@ -179,9 +178,9 @@ def test_a_tracer_that_raises_fails_no_lock(sqlite_url, monkeypatch, caplog):
 
 def test_a_failing_exporter_fails_no_lock(sqlite_url, monkeypatch):
     monkeypatch.setattr(EXPORTER, "failing", True)
-    with trace.get_tracer("app").start_as_current_span("request"):
-        with ExclusiveLock("exclusive:failing", sqlite_url, ttl=5) as lease:
-            assert lease.held
+    lock = ExclusiveLock("exclusive:failing", sqlite_url, ttl=5)
+    with trace.get_tracer("app").start_as_current_span("request"), lock as lease:
+        assert lease.held
     assert lease.released
 
 
