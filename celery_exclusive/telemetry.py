@@ -615,7 +615,8 @@ def _recording(otel: _Api) -> bool:
 
 
 def beat_send(entry: str, task: str, fencing_token: int) -> Any:
-    """The span of one tick a leading beat sends (its task's publish goes beneath)."""
+    """The span of one tick a leading beat sends, if its record lets it
+    (``exclusive.beat.sent``); its task's publish goes beneath."""
     otel = _api if _loaded else api()
     if otel is None:
         return _NO_SPAN
