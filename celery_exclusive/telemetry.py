@@ -63,12 +63,18 @@ class _Api:
 
     def __init__(self) -> None:
         from opentelemetry import context, metrics, trace
-        from opentelemetry.trace import Status, StatusCode
+        from opentelemetry.trace import NoOpTracerProvider, ProxyTracerProvider, Status, StatusCode
 
         self.context = context
         self.trace = trace
+        self.metrics = metrics
         self.error = Status(StatusCode.ERROR)
         self.tracer = trace.get_tracer(SCOPE)
+        #: The providers of the API alone: no SDK set (yet) records anything.
+        self.no_sdk = (ProxyTracerProvider, NoOpTracerProvider)
+        self.no_meter_sdk = (type(metrics.get_meter_provider()), metrics.NoOpMeterProvider)
+        #: Whether the metrics are fed from the signals (once an SDK's meter provider is set).
+        self.fed = False
         meter = metrics.get_meter(SCOPE)
         # The names, descriptions and labels of celery_exclusive.metrics' Prometheus ones.
         self.acquisitions = meter.create_counter(
@@ -118,9 +124,16 @@ def api() -> Optional[_Api]:
         except Exception:
             _failed()
             _api = None
-        if _api is not None:
-            _feed_metrics(_api)
     return _api
+
+
+def _recorded(otel: _Api) -> bool:
+    """Whether an SDK is set to record traces; from the first one set on, the metrics
+    are fed too. The API alone records nothing: a call then pays this check only."""
+    if not otel.fed and not isinstance(otel.metrics.get_meter_provider(), otel.no_meter_sdk):
+        otel.fed = True
+        _feed_metrics(otel)
+    return not isinstance(otel.trace.get_tracer_provider(), otel.no_sdk)
 
 
 def _failed() -> None:
@@ -459,6 +472,8 @@ def call(
     if otel is None:
         return NO_TRACE
     try:
+        if not _recorded(otel):
+            return NO_TRACE
         attributes: dict[str, Any] = {
             "exclusive.store": store_label(store_url),
             "exclusive.key": shown_key(key, key_prefix, trace_keys),
