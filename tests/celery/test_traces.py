@@ -9,6 +9,7 @@ at a time); the worker's spans reach the test through a file (tests/support/apps
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 import pytest
@@ -20,13 +21,15 @@ from celery_exclusive.core import marks
 from celery_exclusive.errors import LOSS_ADVICE
 from celery_exclusive.telemetry import shown_key
 from tests.conftest import fresh_redis_db
+from tests.support import trace_picture
 from tests.support.cluster import wait_until
 from tests.support.spans import acquire_of, call_tree, wait_for_span
 from tests.support.workers import Worker
 
 
 class Traced:
-    def __init__(self, client: Celery, store: str, spans: Path) -> None:
+    def __init__(self, client: Celery, store: str, spans: Path, pool: str) -> None:
+        self.pool = pool
         self.client = client
         self.store = store
         self.spans = spans
@@ -59,7 +62,8 @@ def traced(request, redis_server, tmp_path_factory):
         name=f"traced-{pool}",
     )
     with worker:
-        yield Traced(Celery("client", broker=url, backend=url, set_as_current=False), store, spans)
+        client = Celery("client", broker=url, backend=url, set_as_current=False)
+        yield Traced(client, store, spans, pool)
 
 
 def test_a_skipped_call_shows_its_acquire_span_and_what_it_got(traced):
@@ -130,6 +134,8 @@ def test_a_coalesced_call_names_the_run_it_joined(traced):
     assert sent_again[1][0][0] == "run/traced.rerun"
     event = requeued.event("exclusive.requeued")
     assert event["exclusive.cause"] == "held" and event["exclusive.countdown"] > 0
+    if os.environ.get("TRACE_PICTURE") and traced.pool == "prefork":
+        trace_picture.draw(requeued, Path(os.environ["TRACE_PICTURE"]))
 
 
 def test_a_lost_lease_is_an_event_with_its_cause_before_the_release(traced):

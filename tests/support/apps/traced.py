@@ -76,7 +76,11 @@ def as_record(span) -> dict:
         "parent_id": None if parent is None else format(parent.span_id, "016x"),
         "attributes": dict(span.attributes or {}),
         "events": [
-            {"name": event.name, "attributes": dict(event.attributes or {})}
+            {
+                "name": event.name,
+                "attributes": dict(event.attributes or {}),
+                "time": event.timestamp,
+            }
             for event in span.events
         ],
         "status": span.status.status_code.name,
