@@ -22,7 +22,13 @@ from .errors import (
     LeaseLost,
     LockHeld,
 )
-from .signals import duplicate_detected, lease_acquired, lease_lost, lease_released
+from .signals import (
+    duplicate_detected,
+    lease_acquired,
+    lease_lost,
+    lease_released,
+    lease_waited,
+)
 
 __version__ = "0.1.0"
 
@@ -50,5 +56,6 @@ __all__ = [
     "lease_acquired",
     "lease_lost",
     "lease_released",
+    "lease_waited",
     "register_scheme",
 ]

@@ -46,6 +46,7 @@ class Metrics:
     duplicates: Counter
     leases_lost: Counter
     hold_seconds: Histogram
+    wait_seconds: Histogram
     heartbeat_lag: Gauge
 
 
@@ -71,6 +72,12 @@ def install(registry: Optional[CollectorRegistry] = None) -> Metrics:
         hold_seconds=Histogram(
             "exclusive_lease_hold_seconds",
             "How long leases were held.",
+            ["task"],
+            registry=registry,
+        ),
+        wait_seconds=Histogram(
+            "exclusive_wait_seconds",
+            "How long calls stood in their key's line.",
             ["task"],
             registry=registry,
         ),
@@ -102,7 +109,11 @@ def install(registry: Optional[CollectorRegistry] = None) -> Metrics:
         if multiprocess:
             metrics.heartbeat_lag.set(heartbeat().lag)
 
+    def waited(sender: Any, waited: float, **kwargs: Any) -> None:
+        metrics.wait_seconds.labels(task=sender).observe(waited)
+
     signals.lease_acquired.connect(acquired, weak=False)
+    signals.lease_waited.connect(waited, weak=False)
     signals.duplicate_detected.connect(duplicate, weak=False)
     signals.lease_lost.connect(lost, weak=False)
     signals.lease_released.connect(released, weak=False)

@@ -22,3 +22,7 @@ lease_lost = Signal(name="lease_lost", providing_args={"key", "task_id", "reason
 duplicate_detected = Signal(
     name="duplicate_detected", providing_args={"key", "task_id", "policy", "holder_task_id"}
 )
+
+#: A call stood in its key's line (a ``wait`` or ``rerun`` duplicate, a priority caller,
+#: a lock that waits). Extra: ``waited`` (seconds) and ``granted`` (whether its turn came).
+lease_waited = Signal(name="lease_waited", providing_args={"key", "task_id", "waited", "granted"})

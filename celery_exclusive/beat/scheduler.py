@@ -42,6 +42,7 @@ from typing import Any, Optional
 from celery.beat import ScheduleEntry, Scheduler
 from celery.utils.imports import load_extension_class_names, symbol_by_name
 
+from .. import telemetry
 from ..backends import Backend, backend_for_url
 from ..celery import settings as app_settings
 from ..celery import startup
@@ -81,6 +82,16 @@ class LeaderScheduler(Scheduler):
             raise stop_beat(exc) from None
         self.retry_interval = self.settings.lease_ttl / 3
         self.lease: Optional[HeldLease] = None
+        #: What its takeovers' spans say (:mod:`celery_exclusive.telemetry`).
+        self.trace = telemetry.call(
+            HOLDER_NAME,
+            self.lease_key,
+            self.backend.url,
+            "leader",
+            1,
+            self.settings.key_prefix,
+            self.settings.trace_keys,
+        )
         #: Whether the inner scheduler has read its store (it does when this beat first leads).
         self.inner_ready = False
         #: (entry, what the inner scheduler's reserve() made of it) for the send under way.
@@ -189,6 +200,7 @@ class LeaderScheduler(Scheduler):
         return True
 
     def _try_to_lead(self) -> None:
+        started = time.monotonic()
         try:
             lease = acquire(
                 self.backend,
@@ -217,6 +229,9 @@ class LeaderScheduler(Scheduler):
         self.lease = lease
         self._standing_by = False
         self._heap = None  # ordered afresh from the entries as the records left them
+        telemetry.beat_takeover(
+            self.trace, lease.fencing_token, resumed, time.monotonic() - started
+        )
         logger.info(
             "beat: leading as %s fencing_token=%s; caught up %d %s with the records",
             lease.key,
@@ -339,11 +354,15 @@ class LeaderScheduler(Scheduler):
         """Send ``entry`` only if its record admits the tick, recording it first."""
         reserved, self._reserved = self._reserved, None
         advanced = reserved[1] if reserved is not None and reserved[0] is entry else None
-        if self._claim(entry, advanced):
-            self.inner.apply_entry(entry, producer=producer)
-            # The inner scheduler's reserve() noted the run; store it now, not in minutes.
-            if self._leading_now():
-                write_through(self.inner, [advanced if advanced is not None else entry])
+        token = self.lease.fencing_token if self.lease is not None else 0
+        with telemetry.beat_send(entry.name, entry.task, token) as sending:
+            claimed = self._claim(entry, advanced)
+            sending.set("exclusive.beat.sent", claimed)
+            if claimed:
+                self.inner.apply_entry(entry, producer=producer)
+        # The inner scheduler's reserve() noted the run; store it now, not in minutes.
+        if claimed and self._leading_now():
+            write_through(self.inner, [advanced if advanced is not None else entry])
 
     def _claim(self, entry: ScheduleEntry, advanced: Optional[ScheduleEntry]) -> bool:
         """The compare-and-set before a send: True if this beat may send ``entry`` now.

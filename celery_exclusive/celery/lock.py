@@ -47,4 +47,6 @@ def exclusive_lock(
         limit=settings.limit,
         wait=wait,
         name=key,
+        trace_keys=settings.trace_keys,
+        key_prefix=settings.key_prefix,
     )

@@ -77,6 +77,7 @@ class ExclusiveTask(Task):
     exclusive_scope: Optional[config.Scope] = None
     exclusive_enqueue_ttl: Optional[float] = None
     exclusive_skip_state: Optional[config.SkipState] = None
+    exclusive_trace_keys: Optional[config.TraceKeys] = None
 
     #: A skipped duplicate is an expected outcome: logged at INFO, no traceback. A
     #: subclass's or ``@app.task(throws=...)``'s own are added to it, never replace it.
@@ -187,7 +188,13 @@ class ExclusiveTask(Task):
         settings = self.exclusive_settings
         key = self.exclusive_key_for(args, kwargs)
         return ExclusiveLock(
-            key, settings.backend_url, settings.lease_ttl, settings.limit, name=self.name
+            key,
+            settings.backend_url,
+            settings.lease_ttl,
+            settings.limit,
+            name=self.name,
+            trace_keys=settings.trace_keys,
+            key_prefix=settings.key_prefix,
         )
 
     def apply_async(

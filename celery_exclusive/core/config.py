@@ -52,6 +52,7 @@ OnLeaseLost = Literal["terminate", "abort", "log"]
 RerunArgs = Literal["latest", "first"]
 Scope = Literal["run", "enqueue", "both"]
 SkipState = Literal["failure", "success"]
+TraceKeys = Literal["hash", "prefix", "key"]
 
 ON_DUPLICATE: tuple[str, ...] = get_args(OnDuplicate)
 ON_BACKEND_ERROR: tuple[str, ...] = get_args(OnBackendError)
@@ -59,6 +60,7 @@ ON_LEASE_LOST: tuple[str, ...] = get_args(OnLeaseLost)
 RERUN_ARGS: tuple[str, ...] = get_args(RerunArgs)
 SCOPES: tuple[str, ...] = get_args(Scope)
 SKIP_STATES: tuple[str, ...] = get_args(SkipState)
+TRACE_KEYS: tuple[str, ...] = get_args(TraceKeys)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +127,11 @@ class Settings:
     #: DuplicateSkipped, task_failure fires) or "success" (it returns a dict saying
     #: so; nothing counts it as a failure). Either is ready at once for .get().
     skip_state: SkipState = "failure"
+    #: What OpenTelemetry spans show of a key (keys may name a person: "user:42"):
+    #: "hash" (sha256: and 16 hex digits of its SHA-256, the same for every call of one
+    #: key), "prefix" (the key prefix and the key's part before its first ":", as
+    #: "exclusive:invoice:") or "key" (the key itself). See the tracing how-to.
+    trace_keys: TraceKeys = "hash"
 
 
 #: Every setting's name: the one list that task attributes, app settings and the RQ
@@ -330,6 +337,7 @@ def _check(owner: str, settings: Settings, describe: Callable[[str, Any], str]) 
         ("rerun_args", RERUN_ARGS),
         ("scope", SCOPES),
         ("skip_state", SKIP_STATES),
+        ("trace_keys", TRACE_KEYS),
     ):
         value = getattr(settings, name)
         if value not in choices:

@@ -37,7 +37,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
-from .. import runtime
+from .. import runtime, telemetry
 from ..errors import ExclusiveError
 from .per_process import PerProcess
 
@@ -313,6 +313,7 @@ class Heartbeat:
         + ttl (never less than before: answers may come out of order); those it no
         longer had are lost. Leases released or lost meanwhile are left as they are."""
         gone = []
+        late: list[tuple[WatchedLease, float]] = []
         ended: Optional[_Outage] = None
         with self._lock:
             state = self._stores.get(renewal.backend)
@@ -328,7 +329,12 @@ class Heartbeat:
                     state.leases.discard(lease)
                     gone.append(lease)
                 elif not lease.lost and renewal.started > lease.renewed_at:
+                    since_last = renewal.started - lease.renewed_at
+                    if since_last > lease.ttl * telemetry.LATE_SHARE:
+                        late.append((lease, since_last))
                     lease.renewed_at = renewal.started
+        for lease, since_last in late:
+            lease.trace.renewed_late(since_last, lease.deadline - runtime.monotonic())
         for lease in gone:
             lease.mark_lost("the store no longer has it (expired or taken)")
         if ended is not None:

@@ -17,7 +17,7 @@ import socket
 from collections.abc import Iterator, Mapping
 from typing import Any, Callable, Optional
 
-from .. import runtime, signals
+from .. import runtime, signals, telemetry
 from ..backends import NO_END, Backend, End, Lease, MarkRead, MarkSwap
 from ..backends.base import require
 from ..errors import LOSS_ADVICE, BackendUnavailable, ExclusiveError, LeaseLost
@@ -74,6 +74,8 @@ class HeldLease:
         #: thread doing that is ``_announcer``.
         self._announced = runtime.Event()
         self._announcer: Optional[int] = None
+        #: The trace of the call this lease was granted to (:mod:`celery_exclusive.telemetry`).
+        self.trace = telemetry.NO_TRACE
 
     @property
     def key(self) -> str:
@@ -244,6 +246,7 @@ class HeldLease:
         return freed
 
     def _release_failed(self, exc: ExclusiveError, then: str = "") -> None:
+        self.trace.released(self._held_for(), freed=False, late=False, answered=False)
         logger.warning(
             "lease release failed key=%s task_id=%s: %s; it expires by itself within %.1fs%s",
             self.key,
@@ -281,6 +284,7 @@ class HeldLease:
 
     def _given_back(self, freed: bool, unsure: bool = False) -> None:
         """The store answered a release: say so, and flag a lease it no longer had."""
+        late = False
         if not freed and unsure:
             logger.warning(
                 "lease release found nothing to free key=%s task_id=%s: the release "
@@ -292,6 +296,7 @@ class HeldLease:
             # The body ended before the deadline, the release reached the store after it:
             # the store let the lease expire meanwhile, and nobody held the key while the
             # body ran. Late, not lost.
+            late = True
             logger.warning(
                 "lease release arrived after the lease expired key=%s task_id=%s: its body "
                 "ended %.2fs before its deadline, so it ran under the lease; the store is "
@@ -308,13 +313,15 @@ class HeldLease:
                 "the store no longer had it when its holder released it: it expired or "
                 "was taken while the body ran"
             )
+        held_for = self._held_for()
+        self.trace.released(held_for, freed, late)
         if signals.lease_released.receivers:
             signals.lease_released.send(
-                sender=self.name,
-                key=self.key,
-                task_id=self.task_id,
-                held_for=runtime.monotonic() - self.acquired_at,
+                sender=self.name, key=self.key, task_id=self.task_id, held_for=held_for
             )
+
+    def _held_for(self) -> float:
+        return runtime.monotonic() - self.acquired_at
 
     def on_loss(self, listener: LossListener) -> None:
         """Call ``listener(lease)`` once the lease is found lost (at once if it already is).
@@ -365,6 +372,7 @@ class HeldLease:
                 cause,
                 reason,
             )
+            self.trace.lost(cause, reason)
             signals.lease_lost.send(
                 sender=self.name, key=self.key, task_id=self.task_id, reason=reason, cause=cause
             )
@@ -487,6 +495,8 @@ def _hold(
     starts at the earliest."""
     lease = HeldLease(backend, grant, name, task_id)
     lease.acquired_at = lease.renewed_at = sent_at
+    lease.trace = telemetry.current()  # the call taking it here, if traced
+    lease.trace.granted(grant.fencing_token)
     keeper().watch(lease)
     heartbeat().add(lease)
     if signals.lease_acquired.receivers:

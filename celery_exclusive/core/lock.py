@@ -39,17 +39,18 @@ of waiting for itself.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import functools
 import inspect
 from contextvars import ContextVar
 from typing import Any, Callable, Optional, TypeVar
 
-from .. import runtime
+from .. import runtime, telemetry
 from ..backends import Backend, backend_for_url
 from ..errors import ConfigurationError, ExclusiveError, LeaseLost, LockHeld
 from . import holders, policies
-from .config import Settings
+from .config import TRACE_KEYS, Settings, TraceKeys
 from .lease import HeldLease, acquire
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -72,7 +73,9 @@ class ExclusiveLock:
     ``exclusive_lock()`` takes them from the task). ``wait`` is how long entering
     waits for a held key, in seconds; 0 raises at once. ``name`` is what signals are
     sent with as ``sender`` and what a duplicate names: the task's name for a task's
-    lock.
+    lock. ``trace_keys`` is what OpenTelemetry spans show of the key, as the setting
+    ``exclusive_trace_keys`` says; ``key_prefix`` is the part of the key its
+    ``"prefix"`` choice shows.
     """
 
     key: str
@@ -81,6 +84,8 @@ class ExclusiveLock:
     limit: int = 1
     wait: float = 0.0
     name: str = ""
+    trace_keys: TraceKeys = "hash"
+    key_prefix: str = ""
 
     def __post_init__(self) -> None:
         def bad(field: str, allowed: str) -> ConfigurationError:
@@ -95,6 +100,8 @@ class ExclusiveLock:
             raise bad("wait", "use 0 (do not wait) or more seconds")
         if isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 1:
             raise bad("limit", "use the exclusive_limit of the tasks sharing the key (1 or more)")
+        if self.trace_keys not in TRACE_KEYS:
+            raise bad("trace_keys", "use one of " + ", ".join(repr(c) for c in TRACE_KEYS))
         if not self.name:
             object.__setattr__(self, "name", self.key)
 
@@ -121,10 +128,34 @@ class ExclusiveLock:
         Entering the lock calls this and releases on exit: prefer ``with``.
         """
         self._refuse_reentry()
-        return self._take()
+        return self._take(own_span=False)  # its end is the caller's: no span to end then
 
-    def _take(self) -> HeldLease:
-        backend = backend_for_url(self.backend_url)
+    def _take(self, own_span: bool = True) -> HeldLease:
+        trace = telemetry.call(
+            None if self.key.endswith(self.name) else self.name,  # a name that is the key
+            self.key,
+            self.backend_url,
+            "wait" if self.wait > 0 else "raise",
+            self.limit,
+            self.key_prefix,
+            self.trace_keys,
+            own_name="exclusive.lock",
+        )
+        # Not made current: the block may end in another thread (``async with``).
+        trace.begin(attach=False, own=own_span)
+        try:
+            with trace.acquiring():
+                backend = backend_for_url(self.backend_url)
+                lease = self._acquire(backend)
+                trace.claimed("granted" if lease is not None else "held")
+                if lease is None:
+                    raise self._held(backend)
+        except BaseException as exc:
+            trace.end(exc)
+            raise
+        return lease
+
+    def _acquire(self, backend: Backend) -> Optional[HeldLease]:
         lease = acquire(backend, self.key, self.ttl, self.limit, self.name, holder=LOCK_RECORD)
         if lease is None and self.wait > 0:
             settings = Settings(
@@ -136,8 +167,6 @@ class ExclusiveLock:
             lease = policies.wait_for(
                 settings, backend, self.key, self.name, None, holder=LOCK_RECORD
             )
-        if lease is None:
-            raise self._held(backend)
         return lease
 
     def _held(self, backend: Backend) -> LockHeld:
@@ -191,14 +220,20 @@ class ExclusiveLock:
     # --- with ---------------------------------------------------------------------------
 
     def __enter__(self) -> HeldLease:
-        lease = self.acquire()
+        self._refuse_reentry()
+        lease = self._take()
         self._push(lease)
         return lease
 
     def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
         lease = self._pop()
-        lease.release()
-        self._ended(lease, exc_type is not None)
+        try:
+            lease.release()
+            self._ended(lease, exc_type is not None)
+        except BaseException as error:
+            lease.trace.end(error)
+            raise
+        lease.trace.end(exc)
 
     # --- async with ---------------------------------------------------------------------
 
@@ -206,7 +241,9 @@ class ExclusiveLock:
         # The stores' clients block: taking (and waiting for) the lease runs in a thread,
         # never in the event loop.
         self._refuse_reentry()
-        taking = asyncio.get_running_loop().run_in_executor(None, self._take)
+        # In this context (its current span, for the traces), in a thread.
+        take = contextvars.copy_context().run
+        taking = asyncio.get_running_loop().run_in_executor(None, take, self._take)
         try:
             lease = await asyncio.shield(taking)
         except asyncio.CancelledError:
@@ -220,9 +257,14 @@ class ExclusiveLock:
         lease = self._pop()
         releasing = asyncio.get_running_loop().run_in_executor(None, lease.release)
         try:
-            await asyncio.shield(releasing)  # cancelled or not, the release goes out
-        finally:
-            self._ended(lease, exc_type is not None)
+            try:
+                await asyncio.shield(releasing)  # cancelled or not, the release goes out
+            finally:
+                self._ended(lease, exc_type is not None)
+        except BaseException as error:
+            lease.trace.end(error)
+            raise
+        lease.trace.end(exc)
 
     # --- as a decorator -----------------------------------------------------------------
 
@@ -261,4 +303,6 @@ def _caller() -> int:
 
 def _release_if_granted(taking: asyncio.Future) -> None:
     if not taking.cancelled() and taking.exception() is None:
-        taking.result().release()
+        lease = taking.result()
+        lease.release()
+        lease.trace.end()

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Union
 
-from .. import runtime, signals
+from .. import runtime, signals, telemetry
 from ..backends import Backend, MarkRead
 from ..errors import BackendUnavailable, ConfigurationError
 from . import feed, holders, marks
@@ -287,6 +287,30 @@ def wait_for(
     ``holder`` is written beside the grant, as :func:`.lease.acquire` takes it (a lock's
     says it is one).
     """
+    started = runtime.monotonic()
+    with telemetry.waiting("task" if task_id else "call") as waiting:
+        lease = _wait_in_line(settings, backend, key, name, task_id, priority, keep_place)
+        waiting.set("exclusive.granted", lease is not None)
+    if signals.lease_waited.receivers:
+        signals.lease_waited.send(
+            sender=name,
+            key=key,
+            task_id=task_id,
+            waited=runtime.monotonic() - started,
+            granted=lease is not None,
+        )
+    return lease
+
+
+def _wait_in_line(
+    settings: Settings,
+    backend: Backend,
+    key: str,
+    name: str,
+    task_id: Optional[str],
+    priority: bool,
+    keep_place: Optional[float],
+) -> Optional[HeldLease]:
     claimant = task_id or uuid.uuid4().hex  # a direct call has no task id
     deadline = runtime.monotonic() + settings.wait_timeout
     grace, beat = settings.lease_ttl, settings.lease_ttl / 3

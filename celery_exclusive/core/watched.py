@@ -8,7 +8,7 @@ close a cycle.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 if TYPE_CHECKING:
     from ..backends import Backend, Lease
@@ -24,6 +24,8 @@ class WatchedLease(Protocol):
     renewed_at: float
     #: How long before the ttl runs out the holder counts the lease as lost.
     margin: float
+    #: The trace of the call holding it (:mod:`celery_exclusive.telemetry`).
+    trace: Any
 
     @property
     def key(self) -> str: ...

@@ -24,6 +24,7 @@ import logging
 from contextvars import ContextVar, Token
 from typing import Any, Callable, Optional, Union
 
+from .. import telemetry
 from ..backends import Backend, End, FinalWrite, MarkSwap
 from ..core import marks, outcomes, policies, terminate
 from ..core.config import Settings
@@ -208,10 +209,28 @@ class Attempt:
         #: rerun of its key: the newest duplicate's, not the call's own. A host that
         #: sends the call again on the body's behalf (Celery's ``retry()``) sends these.
         self.arguments: Optional[str] = None
+        settings = call.settings
+        #: Its spans and events (:mod:`celery_exclusive.telemetry`), while in ``with``.
+        self.trace = telemetry.call(
+            call.name,
+            call.key,
+            call.backend.url,
+            "priority" if settings.priority else settings.on_duplicate,
+            settings.limit,
+            settings.key_prefix,
+            settings.trace_keys,
+            call.task_id,
+        )
 
     # --- the whole call ------------------------------------------------------------------
 
     def run(self, body: Body) -> Outcome:
+        with self.trace:
+            outcome = self._run(body)
+            self.trace.ended(outcome)
+            return outcome
+
+    def _run(self, body: Body) -> Outcome:
         granted = self.claim()
         if isinstance(granted, Unlocked):
             return self._run_unlocked(granted.lease, body)
@@ -245,6 +264,15 @@ class Attempt:
 
     def claim(self) -> Union[Outcome, Granted, Unlocked]:
         """Take the key, or decide what the call gets instead."""
+        with self.trace.acquiring():
+            claimed = self._claim()
+            if isinstance(claimed, (Granted, Unlocked)):
+                self.trace.claimed("granted" if isinstance(claimed, Granted) else "unlocked")
+            else:
+                self.trace.claimed(claimed)
+            return claimed
+
+    def _claim(self) -> Union[Outcome, Granted, Unlocked]:
         call, settings, host = self.call, self.call.settings, self.host
         if call.resumed and settings.on_duplicate == "skip":
             settings = dataclasses.replace(settings, on_duplicate="requeue")

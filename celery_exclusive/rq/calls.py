@@ -41,6 +41,7 @@ from ..core.config import (
     OnDuplicate,
     OnLeaseLost,
     RerunArgs,
+    TraceKeys,
     unanswered_in_process,
 )
 from ..core.keys import KeySpec, build_key, check_key_spec
@@ -101,6 +102,7 @@ def exclusive(
     requeue_max_retries: Optional[int] = None,
     rerun_args: Optional[RerunArgs] = None,
     priority: Optional[bool] = None,
+    trace_keys: Optional[TraceKeys] = None,
 ) -> Callable[[F], F]: ...
 
 
@@ -190,7 +192,15 @@ def _lock_of(
     job = get_current_job()
     settings = rq_options.settings_for(name, options, None if job is None else job.connection)
     key = settings.key_prefix + build_key(name, target, settings.key, args, kwargs)
-    return ExclusiveLock(key, settings.backend_url, settings.lease_ttl, settings.limit, name=name)
+    return ExclusiveLock(
+        key,
+        settings.backend_url,
+        settings.lease_ttl,
+        settings.limit,
+        name=name,
+        trace_keys=settings.trace_keys,
+        key_prefix=settings.key_prefix,
+    )
 
 
 @contextlib.contextmanager
@@ -236,12 +246,14 @@ def _own_lease(
     key = settings.key_prefix + build_key(name, target, settings.key, args, kwargs)
     the_call = attempt.Call(name, None, key, settings, backend_for_url(settings.backend_url))
     direct = attempt.Attempt(the_call, DIRECT)
-    claimed = direct.claim()
-    if not isinstance(claimed, (Granted, attempt.Unlocked)):
-        claimed.carry_out(_DirectCall(name, key, settings.wait_timeout))  # raises
-        return
-    with direct.holding(claimed.lease):
-        yield
+    with direct.trace:
+        claimed = direct.claim()
+        if not isinstance(claimed, (Granted, attempt.Unlocked)):
+            direct.trace.ended(claimed)
+            claimed.carry_out(_DirectCall(name, key, settings.wait_timeout))  # raises
+            return
+        with direct.holding(claimed.lease):
+            yield
 
 
 class _DirectCall(outcomes.OutcomeHandler):

@@ -144,6 +144,7 @@ GUIDES = {
     "scope": ("Deduplicate at enqueue", "../how-to/duplicates/enqueue.md"),
     "enqueue_ttl": ("Deduplicate at enqueue", "../how-to/duplicates/enqueue.md"),
     "skip_state": ("skip", "../how-to/duplicates/skip.md"),
+    "trace_keys": ("Trace with OpenTelemetry", "../how-to/tracing.md#keys-in-spans"),
 }
 
 

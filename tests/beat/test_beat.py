@@ -27,6 +27,7 @@ from celery_exclusive.backends import Backend
 from celery_exclusive.backends.memory import MemoryBackend
 from celery_exclusive.beat.scheduler import LeaderScheduler
 from tests.conftest import fresh_redis_db
+from tests.support import otel
 from tests.support.beats import die, run_due
 from tests.support.servers import RedisServer
 from tests.support.workers import LoggedProcess, Worker
@@ -407,3 +408,24 @@ def test_a_leader_counts_the_entries_it_caught_up_in_words(local_app, tmp_path, 
     assert "caught up 1 entry with the records" in caplog.text
     first.close()
     second.close()
+
+
+def test_a_takeover_and_every_tick_sent_are_traced(local_app, tmp_path, sent):
+    spans = otel.install()
+    beat = LeaderScheduler(local_app, schedule_filename=str(tmp_path / "traced"))
+    run_due(beat)  # leads; its new entry counts as run now
+    for _ in range(2):
+        time.sleep(0.55)
+        run_due(beat)
+    beat.close()
+    finished = spans.get_finished_spans()
+    takeover = [s for s in finished if s.name == "exclusive.acquire"]
+    assert len(takeover) == 1
+    assert [e.name for e in takeover[0].events] == ["exclusive.beat.takeover"]
+    assert takeover[0].attributes["exclusive.policy"] == "leader"
+    sends = [s for s in finished if s.name == "exclusive.beat.send"]
+    assert len(sends) == len(sent) >= 2
+    assert all(s.attributes["exclusive.beat.entry"] == "half-second" for s in sends)
+    assert all(s.attributes["exclusive.beat.sent"] is True for s in sends)
+    token = takeover[0].attributes["exclusive.fencing_token"]
+    assert {s.attributes["exclusive.fencing_token"] for s in sends} == {token}

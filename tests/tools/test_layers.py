@@ -29,6 +29,7 @@ LAYERS = {
     "errors": 0,
     "signals": 0,
     "runtime": 0,
+    "telemetry": 0,
     "backends": 1,
     "core": 2,
     "engine": 3,
@@ -173,14 +174,17 @@ def test_no_module_imports_a_layer_above_its_own():
     assert upward == []
 
 
-#: The host libraries (Celery's, RQ's) each folder may import, and why; none but these.
-HOSTS = {"celery", "kombu", "billiard", "rq"}
+#: The host libraries (Celery's, RQ's, OpenTelemetry's) each folder may import, and why;
+#: none but these.
+HOSTS = {"celery", "kombu", "billiard", "rq", "opentelemetry"}
 ALLOWED_HOSTS = {
     # Pickled errors are resolved with kombu's symbol_by_name, which every Celery
     # client has; the signals are Celery's dispatcher, which users connect to.
     "errors": {"kombu"},
     "signals": {"celery"},
     "runtime": set(),
+    # The one module that speaks OpenTelemetry, importing it at first use (optional).
+    "telemetry": {"opentelemetry"},
     "backends": set(),
     "core": set(),
     # A pending rerun's arguments are kept as kombu's JSON, as Celery's messages are.

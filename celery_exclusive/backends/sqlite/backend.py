@@ -31,6 +31,7 @@ from typing import Any, Optional
 from urllib.parse import urlsplit
 
 from ...errors import BackendUnavailable, ConfigurationError
+from ...telemetry import round_trip
 from ..base import (
     NO_END,
     Backend,
@@ -230,6 +231,7 @@ class SQLiteBackend(Backend):
             )
         return super().check(probe_key)
 
+    @round_trip("sqlite")
     def try_acquire(
         self,
         key: str,
@@ -288,6 +290,7 @@ class SQLiteBackend(Backend):
 
         return self._write(f"acquiring {key!r}", acquire_and_read)
 
+    @round_trip("sqlite")
     def renew(self, leases: Iterable[Lease]) -> set[Lease]:
         leases = list(leases)
 
@@ -315,6 +318,7 @@ class SQLiteBackend(Backend):
             # once, so that holders stop before their keys are granted in another file.
             return set(leases)
 
+    @round_trip("sqlite")
     def release(self, lease: Lease, end: End = NO_END) -> Optional[bool]:
         if end.write is not None:
             return super().release(lease, end)  # refused: no final writes here
@@ -368,6 +372,7 @@ class SQLiteBackend(Backend):
             if info.key.startswith(prefix)
         ]
 
+    @round_trip("sqlite")
     def holders_of(self, key: str) -> list[LeaseInfo]:
         return self._holders("key = ?", key, f"reading {key!r}")
 
@@ -439,6 +444,7 @@ class SQLiteBackend(Backend):
             count,
         )
 
+    @round_trip("sqlite")
     def force_release(self, key: str) -> int:
         def force(conn: sqlite3.Connection) -> int:
             cursor = conn.execute(
@@ -448,6 +454,7 @@ class SQLiteBackend(Backend):
 
         return self._write(f"force-releasing {key!r}", force)
 
+    @round_trip("sqlite")
     def read_record(self, lease_key: str, name: str) -> Optional[str]:
         try:
             row = (
@@ -462,6 +469,7 @@ class SQLiteBackend(Backend):
             raise self.failure(f"reading the record {name!r} of {lease_key!r}", exc) from None
         return None if row is None else row[0]
 
+    @round_trip("sqlite")
     def write_record(self, lease: Lease, name: str, value: str) -> bool:
         # One statement inside BEGIN IMMEDIATE: the holder check and the upsert see the
         # same database, and no other process can expire or take the lease in between.
@@ -478,12 +486,14 @@ class SQLiteBackend(Backend):
 
         return self._write(f"writing the record {name!r} of {lease.key!r}", write)
 
+    @round_trip("sqlite")
     def read_mark(self, key: str, kind: str) -> Optional[str]:
         try:
             return _live_mark(self._connection(), key, kind, self._now())
         except (sqlite3.Error, OSError) as exc:
             raise self.failure(f"reading the {kind} mark of {key!r}", exc) from None
 
+    @round_trip("sqlite")
     def swap_mark(
         self, key: str, kind: str, expected: Optional[str], new: Optional[str], ttl: float
     ) -> bool:
