@@ -289,7 +289,7 @@ def wait_for(
     """
     started = runtime.monotonic()
     with telemetry.waiting("task" if task_id else "call") as waiting:
-        lease = _wait_in_line(settings, backend, key, name, task_id, priority, keep_place)
+        lease = _wait_in_line(settings, backend, key, name, task_id, priority, keep_place, holder)
         waiting.set("exclusive.granted", lease is not None)
     if signals.lease_waited.receivers:
         signals.lease_waited.send(
@@ -310,6 +310,7 @@ def _wait_in_line(
     task_id: Optional[str],
     priority: bool,
     keep_place: Optional[float],
+    holder: Optional[Mapping[str, Any]],
 ) -> Optional[HeldLease]:
     claimant = task_id or uuid.uuid4().hex  # a direct call has no task id
     deadline = runtime.monotonic() + settings.wait_timeout
