@@ -72,7 +72,7 @@ class _Api:
         self.tracer = trace.get_tracer(SCOPE)
         #: The providers of the API alone: no SDK set (yet) records anything.
         self.no_sdk = (ProxyTracerProvider, NoOpTracerProvider)
-        self.no_meter_sdk = (type(metrics.get_meter_provider()), metrics.NoOpMeterProvider)
+        self.no_meter_sdk = (_proxy_meter_provider(metrics), metrics.NoOpMeterProvider)
         #: Whether the metrics are fed from the signals (once an SDK's meter provider is set).
         self.fed = False
         meter = metrics.get_meter(SCOPE)
@@ -93,6 +93,17 @@ class _Api:
         self.wait_seconds = _histogram(
             meter, "exclusive_wait_seconds", "How long calls stood in their key's line."
         )
+
+
+def _proxy_meter_provider(metrics: Any) -> type:
+    """The class of the meter provider the API hands out until an SDK's is set (the API
+    names it only privately; the provider set may already be the SDK's, so the one in
+    place now cannot tell)."""
+    try:
+        from opentelemetry.metrics._internal import _ProxyMeterProvider
+    except ImportError:  # pragma: no cover - a later API moved it: count none as a proxy
+        return metrics.NoOpMeterProvider
+    return _ProxyMeterProvider
 
 
 def _histogram(meter: Any, name: str, description: str) -> Any:

@@ -126,18 +126,21 @@ def test_a_store_whose_capabilities_do_not_match_its_methods_is_refused_when_it_
         del backends.SCHEMES["mismatched"]
 
 
+def load_class(target: str) -> type:
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def test_every_built_in_store_and_recipe_declares_what_it_implements():
     schemes, _ = _declared()
-    classes = set()
-    for target in set(schemes.values()):
-        module, name = target.split(":")
-        classes.add(getattr(importlib.import_module(module), name))
-    classes |= {store.recipe_class for store in classes if store.recipe_class is not None}
-    assert len(classes) >= 11  # seven stores, four recipe classes
-    for store in classes:
+    stores = {load_class(target) for target in set(schemes.values())}
+    recipes = {load_class(target) for store in stores for target in store.recipes.values()}
+    assert len(stores) >= 7 and len(recipes) >= 5  # each ecosystem's own lock recipe
+    for store in stores | recipes:
         check_capabilities(store)  # raises on a mismatch
         assert store.capabilities.marks and store.capabilities.records
-        assert store.capabilities.limits is (store.recipe_class is not store)
+    for store in stores:  # a recipe's lock has no limit above one; the store's own does
+        assert store.capabilities.limits, store.__name__
 
 
 class WithoutRecords(MemoryBackend):

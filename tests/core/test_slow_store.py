@@ -49,7 +49,7 @@ class SlowLink:
 LINKS = {
     # A round trip of 0.4-1.4 s, the longest under half the ttl: a grant and its
     # first renewal together always end before the grant's deadline (3 s less the
-    # 0.06 s margin). At 0.8 s each way, 3.2 s would sometimes pass.
+    # 0.15 s margin). At 0.8 s each way, 3.2 s would sometimes pass.
     "redis": SlowLink(0.2, 0.7, own_connection=False),
     # A grant is a transaction of five round trips here, and each process has one
     # connection that carries one call at a time: a link a quarter as slow makes the

@@ -14,7 +14,7 @@ from opentelemetry import trace
 
 from celery_exclusive import ConfigurationError, ExclusiveLock, LockHeld, telemetry
 from celery_exclusive.core import config
-from celery_exclusive.core.heartbeat import heartbeat
+from celery_exclusive.core.heartbeat import _Renewal, heartbeat
 from tests.support import otel
 
 
@@ -126,12 +126,19 @@ def test_a_late_renewal_is_an_event_on_the_span_of_its_call(sqlite_url, spans):
     with trace.get_tracer("app").start_as_current_span("request"), lock as lease:
         since = lease.renewed_at
         # The store confirms a renewal sent two thirds of a ttl after the last one.
-        heartbeat()._confirmed([lease], set(), since + 2.0)
-        heartbeat()._confirmed([lease], set(), since + 2.5)  # on time: no event
+        confirm_renewal(lease, sent_at=since + 2.0)
+        confirm_renewal(lease, sent_at=since + 2.5)  # on time: no event
     request = named(spans.get_finished_spans(), "request")
     assert events(request) == ["exclusive.renewal.late", "exclusive.lease.released"]
     late = request.events[0].attributes
     assert late["exclusive.renewal.since_last"] == pytest.approx(2.0)
+
+
+def confirm_renewal(lease, sent_at: float) -> None:
+    """The store answers a renewal of ``lease`` sent at ``sent_at`` (monotonic)."""
+    renewal = _Renewal(heartbeat(), lease.backend, [lease])
+    renewal.started = sent_at
+    heartbeat()._confirmed(renewal, set())
 
 
 def test_a_tracer_that_raises_fails_no_lock(sqlite_url, monkeypatch, caplog):
@@ -188,3 +195,28 @@ def test_the_package_imports_and_runs_without_the_api(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.stdout.strip() == "ran", done.stderr
+
+
+def test_a_meter_provider_set_before_the_first_lock_is_fed(tmp_path):
+    # The common order: the SDK is set up at start, before any lock is taken.
+    script = textwrap.dedent(
+        f"""
+        from opentelemetry import metrics
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+        reader = InMemoryMetricReader()
+        metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+        from celery_exclusive import ExclusiveLock
+        with ExclusiveLock("exclusive:first", "sqlite:///{tmp_path}/leases.db", name="t"):
+            pass
+        data = reader.get_metrics_data()
+        print(sorted(
+            metric.name
+            for resource in data.resource_metrics
+            for scope in resource.scope_metrics
+            for metric in scope.metrics
+        ))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert "exclusive_lease_acquisitions" in done.stdout, done.stderr

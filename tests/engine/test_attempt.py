@@ -189,7 +189,8 @@ def test_a_skipped_duplicate_delivered_again_once_the_key_is_free_is_dropped_not
 
 def test_a_coalesced_duplicate_delivered_again_leaves_a_newer_change_pending(memory_url):
     call = a_call(memory_url, on_duplicate="rerun", wait_timeout=0.2)
-    newer = encode_call(call.name, (4,), {})
+    call = dataclasses.replace(call, as_of=call.backend.store_time())  # stamped when sent
+    newer = encode_call(call.name, (4,), {}, as_of=call.as_of + 1)
     with holding(call):
         marks.join_rerun(call.backend, call.key, "task-0", "{}", ttl=30)
         assert isinstance(attempt.run(call, ACKS_LATE, pytest.fail), outcomes.Coalesced)

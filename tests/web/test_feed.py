@@ -107,7 +107,9 @@ def test_each_duplicate_outcome_is_reported_with_whom_it_yielded_to(sqlite_url, 
     holder = acquire(backend, "exclusive:k", 30, name="t", task_id="holder-1")
     try:
         if policy == "rerun":  # the first duplicate becomes the pending rerun
-            backend.swap_mark("exclusive:k", "rerun", None, json.dumps({"task_id": "r-1"}), 30)
+            backend.swap_mark(
+                "exclusive:k", "rerun", None, json.dumps({"task_id": "r-1", "arguments": "{}"}), 30
+            )
         policies.claim(settings, backend, "exclusive:k", "t", "dup-1", arguments="{}")
         [event] = wait_for(lambda: [json.loads(e) for e in read_events(backend, "exclusive:")])
         assert (event["kind"], event["task_id"]) == (kind, "dup-1")

@@ -176,7 +176,7 @@ def test_a_release_with_the_token_frees_the_key_and_logs_who(store, held, caplog
     assert answer.status_code == 200, answer.text
     assert answer.json()["released"] == 1
     assert [row["key"] for row in snapshot(web)["page"]["keys"]] == ["exclusive:sem"]
-    assert "released key='exclusive:invoice:7' (1 lease, held by task task-7" in caplog.text
+    assert "released key='exclusive:invoice:7' (1 lease; held by task task-7" in caplog.text
     assert "for testclient:" in caplog.text
     [event] = [e for e in snapshot(web)["feed"]["events"] if e["kind"] == "released"]
     assert event["key"] == "exclusive:invoice:7"
