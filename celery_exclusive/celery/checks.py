@@ -42,7 +42,8 @@ import sys
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Optional
 
-from celery.signals import beat_init, import_modules, worker_init
+from celery import current_app
+from celery.signals import beat_init, before_task_publish, import_modules, worker_init
 
 from ..core import config, peers
 from ..errors import ConfigurationError
@@ -186,28 +187,33 @@ def check_app(app: Any) -> None:
 def task_problems(app: Any) -> Iterator[str]:
     """Each registered task's options that nothing reads."""
     for task in list(app.tasks.values()):
-        cls = type(task)
         if is_exclusive_task(task):
-            yield from _class_problems(cls)
-            continue
-        options = sorted(attribute for attribute in dir(cls) if attribute.startswith("exclusive_"))
-        if options:
-            given = ", ".join(f"{option}={getattr(task, option)!r}" for option in options)
-            yield (
-                f"{task.name}: {given} is set, but the task is not an ExclusiveTask, so nothing "
-                "reads it and its calls run without a lease (two calls for one key run at once). "
-                "Give it the base class: @app.task(base=ExclusiveTask, ...) (from "
-                "celery_exclusive import ExclusiveTask), or set "
-                "task_cls='celery_exclusive:ExclusiveTask' on the app to make every task exclusive."
-            )
-        for attribute in _peer_options(cls):
-            value = getattr(task, attribute)
-            yield (
-                f"{task.name}: {attribute}={value!r} is {peers.library_of(attribute)}'s option, "
-                "but the task derives from neither that library's class nor ExclusiveTask, so "
-                f"nothing reads it. Give it base=ExclusiveTask and "
-                f"{peers.translate(attribute, value, _spell)} ({peers.MIGRATING})."
-            )
+            yield from _class_problems(type(task))
+        else:
+            yield from plain_task_problems(task)
+
+
+def plain_task_problems(task: Any) -> Iterator[str]:
+    """The options of a task that is no ExclusiveTask which only a base would read."""
+    cls = type(task)
+    options = sorted(attribute for attribute in dir(cls) if attribute.startswith("exclusive_"))
+    if options:
+        given = ", ".join(f"{option}={getattr(task, option)!r}" for option in options)
+        yield (
+            f"{task.name}: {given} is set, but the task is not an ExclusiveTask, so nothing "
+            "reads it and its calls run without a lease (two calls for one key run at once). "
+            "Give it the base class: @app.task(base=ExclusiveTask, ...) (from "
+            "celery_exclusive import ExclusiveTask), or set "
+            "task_cls='celery_exclusive:ExclusiveTask' on the app to make every task exclusive."
+        )
+    for attribute in _peer_options(cls):
+        value = getattr(task, attribute)
+        yield (
+            f"{task.name}: {attribute}={value!r} is {peers.library_of(attribute)}'s option, "
+            "but the task derives from neither that library's class nor ExclusiveTask, so "
+            f"nothing reads it. Give it base=ExclusiveTask and "
+            f"{peers.translate(attribute, value, _spell)} ({peers.MIGRATING})."
+        )
 
 
 def _peer_options(cls: type) -> list[str]:
@@ -381,3 +387,29 @@ def _check_beat(sender: Any = None, **kwargs: Any) -> None:
     app: Optional[Any] = getattr(sender, "app", None)
     if app is not None:
         _refuse(app)
+
+
+# --- at a producer's first send of a task ------------------------------------------------
+
+#: The task names whose first send in this process was looked at.
+_sent: set[str] = set()
+
+
+@before_task_publish.connect(weak=False, dispatch_uid="celery_exclusive.checks.publish")
+def _check_first_send(sender: Optional[str] = None, **kwargs: Any) -> None:
+    """A plain task with ``exclusive_*`` options, said as an ERROR at its first send.
+
+    A producer cannot be stopped here: Celery's signals log what a receiver raises and
+    send the message anyway (and ``delay()`` of a plain task reaches no code of ours
+    otherwise). So the mistake is logged once a task and process, before the worker,
+    which refuses to start with it, is ever reached.
+    """
+    if sender is None or sender in _sent:
+        return
+    _sent.add(sender)
+    app = current_app._get_current_object()
+    task = app._tasks.get(sender)
+    if task is None or is_exclusive_task(task):
+        return  # sent by name only, or checked at its own first call
+    for problem in plain_task_problems(task):
+        logger.error("celery-exclusive: %s", problem)

@@ -69,6 +69,24 @@ _REQUEUED_AS = {
 }
 
 
+def log_beside_the_worker() -> None:
+    """Under ``rq worker``, the library's lines go where the worker's own go, at its level.
+
+    RQ sets up its ``rq.worker`` logger only; with no handler on the library's logger or
+    above it, its INFO lines (a duplicate skipped, coalesced, requeued) would reach nobody,
+    and a skipped job would read only as RQ's "Job OK". An application that set up logging
+    itself (a handler on the root or the library's logger) keeps its own set-up.
+    """
+    ours, workers = logger, logging.getLogger("rq.worker")
+    if ours.hasHandlers() or not workers.handlers:
+        return
+    for handler in workers.handlers:
+        ours.addHandler(handler)
+    if ours.level == logging.NOTSET:
+        ours.setLevel(workers.level)
+    ours.propagate = False  # as RQ's own: no double line once an ancestor gets a handler
+
+
 class ExclusiveJob(Job):
     """RQ ``Job`` that runs ``@exclusive`` functions only while holding their lease.
 
@@ -106,6 +124,7 @@ class ExclusiveJob(Job):
         options = exclusive_options(self.func)
         if options is None:
             return super().perform()
+        log_beside_the_worker()
         # Job.perform() keeps the result for a synchronous queue's success handling;
         # an attempt that did not run returns its record the same way.
         self._result = self._perform_exclusive(options)

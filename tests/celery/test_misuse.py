@@ -4,10 +4,11 @@ or beat starts."""
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import pytest
-from celery import Celery, Task
+from celery import Celery, Task, current_app
 
 from celery_exclusive import ConfigurationError, ExclusiveTask
 from celery_exclusive.beat.scheduler import beat_settings
@@ -57,6 +58,23 @@ def test_exclusive_options_on_a_plain_task_are_refused_naming_the_base_class():
     message = str(refused.value)
     assert message.startswith("billing.settle: exclusive_key='invoice:{invoice_id}' is set")
     assert "not an ExclusiveTask" in message and "base=ExclusiveTask" in message
+
+
+def test_a_producers_first_send_of_a_plain_task_with_exclusive_options_logs_the_fix(caplog):
+    # Celery's signals cannot stop a send: the producer is told, once, before a worker
+    # (which refuses to start) is ever reached.
+    previous = current_app._get_current_object()
+    app = Celery("billing", broker="memory://")
+    try:
+        task = define(app, exclusive_key="invoice:{invoice_id}")
+        with caplog.at_level(logging.ERROR, "celery_exclusive"):
+            task.delay(7)
+            task.delay(8)
+    finally:
+        previous.set_current()
+    [said] = [r.getMessage() for r in caplog.records if "not an ExclusiveTask" in r.getMessage()]
+    assert "billing.settle: exclusive_key='invoice:{invoice_id}' is set" in said
+    assert "base=ExclusiveTask" in said
 
 
 def test_exclusive_options_on_a_plain_class_based_task_are_refused():

@@ -195,6 +195,17 @@ def test_a_skipped_duplicate_ends_canceled_with_meta_naming_the_key_and_the_hold
     assert [e["job_id"] for e in rq_stack.ledger()] == [holder.id]
 
 
+def test_a_skipped_duplicate_is_logged_as_skipped_in_the_workers_own_output(rq_stack):
+    # RQ logs every job that returns as "Job OK": the worker's output must say more.
+    holder = hold(rq_stack, "logged-skip")
+    duplicate = rq_stack.enqueue(rq_jobs.hold_skip, "logged-skip", 0)
+    assert wait_done([duplicate], timeout=10) == ["canceled"]
+    tell(rq_stack, "logged-skip")
+    said = f"duplicate skipped key=exclusive:logged-skip job_id={duplicate.id} holder={holder.id}"
+    output = lambda: "".join(worker.output() for worker in rq_stack.workers)  # noqa: E731
+    assert wait_until(lambda: said in output(), timeout=10), output()[-2000:]
+
+
 def test_a_skipped_duplicate_runs_neither_its_dependents_nor_its_success_callback(rq_stack):
     callback = Callback(rq_jobs.record_success)
     holder = rq_stack.enqueue(rq_jobs.hold_until_told, "chain", on_success=callback)

@@ -1,0 +1,77 @@
+"""Each protocol bug the simulation found, kept as its seed: the schedule that showed it
+holds on the engine, and still shows the bug when the bug is put back (the bug is the
+seeded one of the same name in mutants.py).
+
+A change to the world that moves a schedule away from its bug fails the second test:
+find the bug's new first seed with ``python -m tests.simulation.mutants --only NAME``
+and pin it here.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .mutants import MUTANTS, run_mutant
+from .run import run_seed
+
+#: (the seeded bug of mutants.py, the first seed that caught it, what was fixed).
+FOUND = [
+    (
+        "older-change-replaces-newer",
+        68,
+        "a change that joins the pending rerun late no longer replaces a newer one: "
+        "changes carry when they were sent (exclusive_as_of)",
+    ),
+    (
+        "dead-rerun-args-dropped",
+        272,
+        "a duplicate taking a dead pending rerun's place keeps the newer of the two changes",
+    ),
+    (
+        "owed-run-never-handed-on",
+        500,
+        "a pending rerun that gives up or dies hands its run on to a new call",
+    ),
+    (
+        "taken-arguments-lost",
+        496,
+        "arguments a pending rerun took go with the call when the store fails right after",
+    ),
+    (
+        "priority-waits-on-the-away",
+        114,
+        "a waiting priority call passes one that is away on a requeue",
+    ),
+    (
+        "skip-records-no-end",
+        32,
+        "a requeued or skipped duplicate records its end, so its copy is dropped",
+    ),
+    (
+        "finished-mark-expires-at-once",
+        10,
+        "a finished mark lasts as long as a copy may come (an hour at least)",
+    ),
+    (
+        "copy-of-an-ended-attempt-runs",
+        32,
+        "a copy refused or granted the key reads the finished mark before it runs",
+    ),
+]
+
+MUTANT = {mutant.name: mutant for mutant in MUTANTS}
+
+
+@pytest.mark.parametrize(("bug", "seed", "fixed"), FOUND, ids=[bug for bug, _, _ in FOUND])
+def test_the_schedule_that_found_a_bug_holds_every_invariant(bug, seed, fixed):
+    failure = run_seed(seed)
+    assert failure is None, f"{bug} is back ({fixed}):\n{failure}"
+
+
+@pytest.mark.parametrize(("bug", "seed", "fixed"), FOUND, ids=[bug for bug, _, _ in FOUND])
+def test_the_schedule_that_found_a_bug_still_finds_it_when_it_is_put_back(bug, seed, fixed):
+    caught, _, said = run_mutant(MUTANT[bug], seeds=1, first=seed)
+    assert caught == seed, (
+        f"seed {seed} no longer reaches {bug!r} ({said}); find its first seed with "
+        f"python -m tests.simulation.mutants --only {bug} and pin it in FOUND"
+    )
