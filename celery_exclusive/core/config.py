@@ -31,12 +31,12 @@ import os
 import re
 import sys
 import tempfile
-import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, Callable, Literal, Optional, get_args
 from urllib.parse import urlsplit
 
+from .. import runtime
 from ..backends import SCHEMES
 from ..errors import BackendUnavailable, ConfigurationError
 from .keys import KeySpec, is_storable
@@ -157,7 +157,7 @@ APP_SETTINGS = tuple(
 # --- seeing changes made after the first call ---------------------------------------
 
 _generation = 0
-_generation_lock = threading.Lock()
+_generation_lock = runtime.Lock()
 
 #: Settings forced above every task attribute and app setting (see :func:`force`).
 _forced: dict[str, Any] = {}
