@@ -90,13 +90,6 @@ def test_renew_reports_exactly_the_leases_that_are_gone(backend):
     assert backend.renew([kept, gone]) == {gone}
 
 
-@pytest.fixture
-def needs_limits(backend):
-    """Skips a test of several holders per key on a layout that declares none."""
-    if not backend.capabilities.limits:
-        pytest.skip(f"{type(backend).__name__} keeps one holder per key (no limits)")
-
-
 def test_renewing_a_released_lease_does_not_revive_it(backend):
     lease = backend.try_acquire("k", owner(), 10)
     backend.release(lease)
@@ -104,7 +97,6 @@ def test_renewing_a_released_lease_does_not_revive_it(backend):
     assert backend.try_acquire("k", owner(), 10) is not None
 
 
-@pytest.mark.usefixtures("needs_limits")
 def test_a_limit_admits_that_many_holders_and_no_more(backend):
     needs(backend, "limits")
     leases = [backend.try_acquire("k", owner(), 10, limit=3) for _ in range(3)]
@@ -113,7 +105,6 @@ def test_a_limit_admits_that_many_holders_and_no_more(backend):
     assert backend.try_acquire("k", owner(), 10, limit=3) is None
 
 
-@pytest.mark.usefixtures("needs_limits")
 def test_releasing_one_holder_of_a_limit_frees_one_slot(backend):
     needs(backend, "limits")
     leases = [backend.try_acquire("k", owner(), 10, limit=2) for _ in range(2)]
@@ -122,7 +113,6 @@ def test_releasing_one_holder_of_a_limit_frees_one_slot(backend):
     assert backend.try_acquire("k", owner(), 10, limit=2) is None
 
 
-@pytest.mark.usefixtures("needs_limits")
 def test_an_expired_holder_of_a_limit_frees_its_slot(backend, backend_case):
     needs(backend, "limits")
     ttl = backend_case.short_ttl
@@ -132,7 +122,6 @@ def test_an_expired_holder_of_a_limit_frees_its_slot(backend, backend_case):
     assert backend.try_acquire("k", owner(), 10, limit=2) is not None
 
 
-@pytest.mark.usefixtures("needs_limits")
 def test_renewal_keeps_a_limit_slot(backend, backend_case):
     needs(backend, "limits")
     ttl = backend_case.short_ttl
@@ -144,7 +133,6 @@ def test_renewal_keeps_a_limit_slot(backend, backend_case):
     assert backend.try_acquire("k", owner(), 10, limit=2) is None
 
 
-@pytest.mark.usefixtures("needs_limits")
 @pytest.mark.parametrize("first, second", [(1, 2), (2, 1), (2, 3)])
 def test_contenders_disagreeing_on_the_limit_get_a_configuration_error(backend, first, second):
     needs(backend, "limits")
@@ -182,14 +170,12 @@ def test_holders_describe_each_live_lease(backend):
     assert 0 < info.expires_in <= 10
 
 
-@pytest.mark.usefixtures("needs_limits")
 def test_holders_list_every_holder_of_a_limit(backend):
     needs(backend, "limits")
     tokens = {backend.try_acquire("k", owner(), 10, limit=2).fencing_token for _ in range(2)}
     assert {info.fencing_token for info in backend.holders("k")} == tokens
 
 
-@pytest.mark.usefixtures("needs_limits")
 def test_force_release_frees_a_key_whoever_holds_it(backend):
     needs(backend, "limits")
     backend.try_acquire("k", owner(), 10, limit=2)
@@ -251,7 +237,6 @@ def test_a_former_holder_cannot_overwrite_the_new_holders_record(backend):
     assert backend.read_record("beat", "last") == "new"
 
 
-@pytest.mark.usefixtures("needs_limits")
 def test_a_holder_of_a_limit_can_write_a_record(backend):
     needs(backend, "limits")
     lease = backend.try_acquire("k", owner(), 10, limit=2)
@@ -383,7 +368,6 @@ def test_setting_the_mark_and_releasing_swaps_from_the_expected_value(marks):
     assert marks.read_mark("m", "x") == "2"
 
 
-@pytest.mark.usefixtures("needs_limits")
 def test_setting_the_mark_and_releasing_frees_one_slot_of_a_limit(marks):
     needs(marks, "limits")
     first = marks.try_acquire("k", owner(), 10, 2)
@@ -459,7 +443,6 @@ def test_a_refused_grant_leaves_the_line_as_it_was(marks):
     assert in_line(marks, "k") == ["first", "second"]
 
 
-@pytest.mark.usefixtures("needs_limits")
 def test_a_semaphore_admits_as_many_of_the_line_as_it_has_free_slots(marks):
     needs(marks, "limits")
     marks.try_acquire("k", owner(), 10, limit=3)
@@ -471,7 +454,6 @@ def test_a_semaphore_admits_as_many_of_the_line_as_it_has_free_slots(marks):
     assert marks.try_acquire("k", owner(), 10, limit=3, claimant="a") is not None
 
 
-@pytest.mark.usefixtures("needs_limits")
 def test_a_newcomer_gets_a_slot_only_when_there_are_more_slots_than_waiters(marks):
     needs(marks, "limits")
     stand_in_line(marks, "k", "a")
@@ -586,7 +568,6 @@ def test_any_key_is_granted_listed_and_freed_exactly(backend, key):
 
 
 @pytest.mark.parametrize("key", [k for k in HOSTILE_KEYS if k.startswith("k:~")], ids=repr)
-@pytest.mark.usefixtures("needs_limits")
 def test_a_key_named_like_an_internal_entry_is_an_ordinary_key(marks, key):
     needs(marks, "limits")
     stand_in_line(marks, "k", "first")
