@@ -220,11 +220,12 @@ def require(backend: Backend, capability: str, key: Optional[str] = None) -> Non
 
 
 def unavailable(safe_url: str, action: str, exc: BaseException) -> BackendUnavailable:
-    """The one error every store failure that retrying may cure becomes."""
+    """The one error every store failure that retrying may cure becomes. It says what
+    the store did, not what a caller does meanwhile: that is each caller's to add (a
+    task's ``on_backend_error``, a lock's block that never runs unlocked)."""
     return BackendUnavailable(
         f"the lease store at {safe_url} did not answer while {action} "
-        f"({type(exc).__name__}: {exc}). Check that it is running and reachable, "
-        "or choose what tasks do meanwhile with exclusive_on_backend_error.",
+        f"({type(exc).__name__}: {exc}). Check that it is running and reachable.",
         safe_url,
     )
 

@@ -48,7 +48,13 @@ from typing import Any, Callable, Optional, TypeVar
 
 from .. import runtime, telemetry
 from ..backends import Backend, backend_for_url
-from ..errors import ConfigurationError, ExclusiveError, LeaseLost, LockHeld
+from ..errors import (
+    BackendUnavailable,
+    ConfigurationError,
+    ExclusiveError,
+    LeaseLost,
+    LockHeld,
+)
 from . import holders, policies
 from .config import TRACE_KEYS, Settings, TraceKeys
 from .lease import HeldLease, acquire
@@ -146,7 +152,10 @@ class ExclusiveLock:
         try:
             with trace.acquiring():
                 backend = backend_for_url(self.backend_url)
-                lease = self._acquire(backend)
+                try:
+                    lease = self._acquire(backend)
+                except BackendUnavailable as exc:
+                    raise self._unanswered(exc) from None
                 trace.claimed("granted" if lease is not None else "held")
                 if lease is None:
                     raise self._held(backend)
@@ -154,6 +163,16 @@ class ExclusiveLock:
             trace.end(exc)
             raise
         return lease
+
+    def _unanswered(self, exc: BackendUnavailable) -> BackendUnavailable:
+        """The store's error, said of this lock: its block does not run, as no
+        ``on_backend_error`` applies to a lock (a task's setting, not a lock's)."""
+        return BackendUnavailable(
+            f"the exclusive lock of {self.name} could not be taken: its key {self.key!r} "
+            f"went unanswered: {exc} Its block never runs without the lease: try again "
+            "once the store answers.",
+            exc.url,
+        )
 
     def _acquire(self, backend: Backend) -> Optional[HeldLease]:
         lease = acquire(backend, self.key, self.ttl, self.limit, self.name, holder=LOCK_RECORD)

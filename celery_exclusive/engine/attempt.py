@@ -331,8 +331,20 @@ class Attempt:
     def _requeue(self, requeue: outcomes.Requeue) -> Union[outcomes.Requeue, outcomes.GaveUp]:
         """Send the call again as ``requeue`` says: unless it was requeued
         ``requeue_max_retries`` times already."""
-        requeues, limit = self.call.requeues, self.call.settings.requeue_max_retries
+        call = self.call
+        requeues, limit = call.requeues, call.settings.requeue_max_retries
         if limit is not None and requeues >= limit:
+            # Said before the end is recorded: a process that dies between the two
+            # leaves a copy that finds the record and is dropped, and the line.
+            logger.warning(
+                "%s gives up after %d requeues: %s while it tried to take %r (%s=%d)",
+                self._label(),
+                requeues,
+                requeue.reason,
+                requeue.key,
+                f"{self.host.setting_prefix}requeue_max_retries",
+                limit,
+            )
             self._drop_resume()
             self._record_end_without_body()
             self._leave_line()
@@ -386,8 +398,7 @@ class Attempt:
         """The store did not answer: run unlocked, requeue, or fail, as
         ``on_backend_error`` and the host allow."""
         call, host = self.call, self.host
-        label = f"{call.name}[{call.task_id}]" if call.task_id else f"{call.name} (called directly)"
-        message = f"{label}: cannot take the lease on {call.key!r}: {exc}"
+        message = f"{self._label()}: cannot take the lease on {call.key!r}: {exc}"
         setting = f"{host.setting_prefix}on_backend_error"
         taken = exc.arguments if isinstance(exc, marks.LostTake) else None
         if taken is not None:
@@ -397,12 +408,21 @@ class Attempt:
             return Unlocked(UnlockedLease(call.key, call.name, call.task_id, str(exc)))
         if not host.can_requeue:
             return outcomes.Unanswered(call.key, exc)
-        logger.warning("%s -- requeued (%s='requeue')", message, setting)
         countdown = policies.requeue_delay(call.settings, call.requeues)
         reason = "the lease store did not answer"
         requeue = outcomes.Requeue(call.key, countdown, reason, "unanswered", call.requeues + 1)
         requeue = _resumed(dataclasses.replace(requeue, as_of=self.as_of), taken)
-        return self._requeue(requeue)
+        ended = self._requeue(requeue)
+        if isinstance(ended, outcomes.Requeue):
+            logger.warning("%s -- requeued (%s='requeue')", message, setting)
+        else:
+            logger.warning("%s (%s='requeue')", message, setting)
+        return ended
+
+    def _label(self) -> str:
+        """The call as log lines name it: its task and id, or how it was called."""
+        call = self.call
+        return f"{call.name}[{call.task_id}]" if call.task_id else f"{call.name} (called directly)"
 
     def _resumed_arguments(self) -> Optional[str]:
         """Where the call's message may come again (:attr:`Host.resumable`): the arguments

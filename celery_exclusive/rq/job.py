@@ -475,13 +475,6 @@ class JobOutcomes(outcomes.OutcomeHandler):
     def handle_gave_up(self, outcome: outcomes.GaveUp) -> Any:
         if outcome.owed is not None:
             self.job._send_owed_rerun(outcome.owed)
-        logger.warning(
-            "%s gave up key=%s job_id=%s after %d requeues",
-            "duplicate" if outcome.cause == "held" else "job",
-            outcome.key,
-            self.job.id,
-            outcome.requeues,
-        )
         reason = f"gave up after {outcome.requeues} requeues: {outcome.reason}"
         return self.job._skip(outcome.key, outcome.holder_task_id, reason=reason)
 

@@ -11,6 +11,7 @@ import pytest
 from celery import Celery
 
 from celery_exclusive import (
+    BackendUnavailable,
     ConfigurationError,
     ExclusiveError,
     ExclusiveLock,
@@ -245,3 +246,21 @@ def test_an_exception_in_the_block_passes_through_and_the_key_is_freed(url):
     with pytest.raises(ValueError, match="boom"), ExclusiveLock("k", url):
         raise ValueError("boom")
     assert holders(url, "k") == []
+
+
+# --- a store that does not answer ---------------------------------------------------------
+
+
+def test_a_lock_whose_store_does_not_answer_names_itself_and_no_task_setting():
+    from tests.support.servers import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0?socket_connect_timeout=0.5"  # nothing listens
+    with (
+        pytest.raises(BackendUnavailable) as raised,
+        exclusive_lock("reports:nightly", backend_url=url),
+    ):
+        pytest.fail("a block ran without its lease")
+    message = str(raised.value)
+    assert "could not be taken: its key 'exclusive:reports:nightly' went unanswered" in message
+    assert "never runs without the lease" in message
+    assert "on_backend_error" not in message  # a task's setting, which a lock ignores

@@ -691,7 +691,10 @@ class World:
         with it, as any run does, and the error says so. A pending rerun that died
         before it took the change owes it a run (the worker hands it on)."""
         ends = self.ends.get(task_id, [])
-        if any(kind in ("lost", "failed", "gave up") for _, kind, _ in ends):
+        # A call whose process died after it gave up (said in the log first) ends there:
+        # the copy delivered again finds the record of its end and is dropped.
+        gave_up = any(f"[{task_id}] gives up after" in line for line in self.warnings)
+        if gave_up or any(kind in ("lost", "failed", "gave up") for _, kind, _ in ends):
             return depth == 0 or any(t >= since for t in self.store.grants_of.get(task_id, ()))
         into = [(when, detail) for when, kind, detail in ends if kind == "coalesced"]
         return depth < 20 and any(self._failed_on_the_way(t, when, depth + 1) for when, t in into)

@@ -202,8 +202,7 @@ class SQLiteBackend(Backend):
         return BackendUnavailable(
             f"the lease store {self.safe_url} cannot write: the disk holding {path} is full "
             f"({free}; {type(exc).__name__} while {action}: {exc}). Free space on it, or "
-            "point exclusive_backend_url at a file on a disk with room; meanwhile tasks do "
-            "what exclusive_on_backend_error says.",
+            "point exclusive_backend_url at a file on a disk with room.",
             self.safe_url,
         )
 
