@@ -208,6 +208,24 @@ def test_a_duplicate_that_gave_up_delivered_again_is_dropped(memory_url):
     assert attempt.run(call, ACKS_LATE, pytest.fail) == outcomes.Dropped(call.key)
 
 
+def test_a_call_that_gives_up_says_so_before_it_records_its_end(memory_url, monkeypatch, caplog):
+    # A process that dies while it records the end leaves a copy that finds the record
+    # and is dropped: the line said before is then all that tells the call gave up.
+    call = a_call(memory_url, on_duplicate="requeue", requeue_max_retries=1, requeues=1)
+
+    def dies(*args, **kwargs):
+        said = [r.getMessage() for r in caplog.records if "gives up after" in r.getMessage()]
+        assert len(said) == 1
+        assert said[0].startswith("t[task-1] gives up after 1 requeues: held by ")
+        assert said[0].endswith(f"take {call.key!r} (exclusive_requeue_max_retries=1)")
+        raise SystemExit("killed")
+
+    monkeypatch.setattr(marks, "mark_finished", dies)
+    caplog.set_level("WARNING", logger="celery_exclusive")
+    with holding(call), pytest.raises(SystemExit):
+        attempt.run(call, ACKS_LATE, pytest.fail)
+
+
 def test_a_copy_set_aside_and_skipped_later_leaves_the_attempt_it_copies_to_run(memory_url):
     # The copy of a running call, set aside, comes back once that call lost its lease to
     # another holder; the stopped call is sent again (resumed) and must still run.
