@@ -178,6 +178,13 @@ MUTANTS = [
         "        call, ttl = self.call, self.host.finished_ttl",
         "        call, ttl = self.call, 1.0",
     ),
+    Mutant(
+        "gives-up-silently",
+        "a call that gives up says so only at DEBUG, after its end is recorded",
+        "engine/attempt.py",
+        '            logger.warning(\n                "%s gives up after',
+        '            logger.debug(\n                "%s gives up after',
+    ),
 ]
 
 

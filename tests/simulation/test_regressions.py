@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from .mutants import MUTANTS, run_mutant
+from .mutants import MUTANTS, PACKAGE, run_mutant
 from .run import run_seed
 
 #: (the seeded bug of mutants.py, the first seed that caught it, what was fixed).
@@ -57,6 +57,12 @@ FOUND = [
         32,
         "a copy refused or granted the key reads the finished mark before it runs",
     ),
+    (
+        "gives-up-silently",
+        5785,
+        "a call that gives up says so before it records its end: a process that dies "
+        "between the two leaves the line, and the copy that finds the record is dropped",
+    ),
 ]
 
 MUTANT = {mutant.name: mutant for mutant in MUTANTS}
@@ -74,4 +80,13 @@ def test_the_schedule_that_found_a_bug_still_finds_it_when_it_is_put_back(bug, s
     assert caught == seed, (
         f"seed {seed} no longer reaches {bug!r} ({said}); find its first seed with "
         f"python -m tests.simulation.mutants --only {bug} and pin it in FOUND"
+    )
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=[mutant.name for mutant in MUTANTS])
+def test_every_seeded_bug_still_applies_once_to_the_package(mutant):
+    text = (PACKAGE / mutant.path).read_text()
+    assert text.count(mutant.old) == 1, (
+        f"{mutant.name}: its patch no longer applies to {mutant.path}; rewrite it against "
+        "the code as it is now, and check it is still caught"
     )
