@@ -127,6 +127,9 @@ def test_a_coalesced_call_names_the_run_it_joined(traced):
     assert run.event("exclusive.coalesced")["exclusive.rerun_task_id"] == pending.id
 
     # Its first attempt: in line, then sent again; the attempt that ran is in its trace.
+    # Its run span ends after its result is stored: read the trace once it is written.
+    ran, _ = wait_for_span(traced.spans, acquire_of(pending.id, "granted"))
+    wait_for_span(traced.spans, lambda span: span.span_id == ran.parent_id)
     requeued = call_tree(traced.spans, pending.id)
     first, sent_again = requeued.shape()[1][:2]
     assert first == ("exclusive.acquire", (("exclusive.wait", ()),))
