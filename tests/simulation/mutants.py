@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from .world import FAULTS
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "celery_exclusive"
 
@@ -34,6 +36,9 @@ class Mutant:
     path: str
     old: str
     new: str
+    #: The world (its faults' version) it is explored in: the one that catches it
+    #: within the CI seed budget.
+    faults: int = FAULTS
 
 
 MUTANTS = [
@@ -179,19 +184,45 @@ MUTANTS = [
         "        call, ttl = self.call, 1.0",
     ),
     Mutant(
+        "deadline-from-the-answer",
+        "a confirmed renewal extends the lease from when its answer came, not when it was sent",
+        "core/heartbeat.py",
+        "                    lease.renewed_at = renewal.started",
+        "                    lease.renewed_at = runtime.monotonic()",
+    ),
+    Mutant(
+        "grant-timed-from-the-answer",
+        "a grant's lease is counted from when its answer came, not when it was asked for",
+        "core/lease.py",
+        "    return None if grant is None else _hold(backend, grant, name, task_id, sent_at)",
+        "    return None if grant is None else _hold(\n"
+        "        backend, grant, name, task_id, runtime.monotonic()\n    )",
+    ),
+    Mutant(
+        "release-before-recording-the-end",
+        "the lease goes back first, and the end is recorded after, in a call of its own",
+        "engine/attempt.py",
+        "            if lease.release(End(mark, write)) is not None:",
+        "            if lease.release(End(None, write)) is not None and not self._mark_finished(\n"
+        "                lease\n            ):",
+    ),
+    Mutant(
         "gives-up-silently",
         "a call that gives up says so only at DEBUG, after its end is recorded",
         "engine/attempt.py",
         '            logger.warning(\n                "%s gives up after',
         '            logger.debug(\n                "%s gives up after',
+        faults=1,
     ),
 ]
 
 
-def run_mutant(mutant: Mutant, seeds: int, first: int = 0) -> tuple[Optional[int], float, str]:
+def run_mutant(
+    mutant: Mutant, seeds: int, first: int = 0, faults: int = FAULTS
+) -> tuple[Optional[int], float, str]:
     """Apply ``mutant`` to a copy of the package and explore ``seeds`` schedules on it,
-    from seed ``first``: (the first seed that caught it or None, seconds taken, what it
-    said)."""
+    from seed ``first``, in the world of ``faults``: (the first seed that caught it or
+    None, seconds taken, what it said)."""
     with tempfile.TemporaryDirectory() as work:
         copy = Path(work) / "celery_exclusive"
         shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
@@ -204,7 +235,7 @@ def run_mutant(mutant: Mutant, seeds: int, first: int = 0) -> tuple[Optional[int
         started = time.monotonic()
         done = subprocess.run(
             [sys.executable, "-m", "tests.simulation.run", "--seeds", str(seeds)]
-            + ["--first", str(first)],
+            + ["--first", str(first), "--faults", str(faults)],
             cwd=work,
             env=env,
             capture_output=True,
@@ -229,7 +260,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     missed = 0
     print(f"{'seeded bug':38} {'caught by seed':>14} {'seconds':>8}  what the simulation said")
     for mutant in chosen:
-        seed, took, said = run_mutant(mutant, args.seeds)
+        seed, took, said = run_mutant(mutant, args.seeds, faults=mutant.faults)
         missed += seed is None
         caught = "NOT CAUGHT" if seed is None else str(seed)
         print(f"{mutant.name:38} {caught:>14} {took:8.1f}  {said[:110]}")

@@ -9,13 +9,14 @@ import time
 import traceback
 from typing import Optional
 
-from .world import World
+from .world import FAULTS, World
 
 
-def run_seed(seed: int, full_trace: bool = False) -> Optional[str]:
-    """Run the schedule of ``seed``: None if every invariant held, else what failed,
-    with the trace of the steps that led to it."""
-    world = World(seed)
+def run_seed(seed: int, full_trace: bool = False, faults: int = FAULTS) -> Optional[str]:
+    """Run the schedule of ``seed`` (in the world of ``faults``, see
+    :data:`~.world.FAULTS`): None if every invariant held, else what failed, with the
+    trace of the steps that led to it."""
+    world = World(seed, faults=faults)
     if full_trace:
         world.full_trace = []
     try:
@@ -38,14 +39,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--seed", type=int, help="replay one seed, with its whole trace")
     parser.add_argument("--seeds", type=int, default=1000, help="how many seeds to explore")
     parser.add_argument("--first", type=int, default=0, help="the first seed")
+    parser.add_argument(
+        "--faults", type=int, default=FAULTS, help="the world's faults as of this version"
+    )
     args = parser.parse_args(argv)
     if args.seed is not None:
-        failure = run_seed(args.seed, full_trace=True)
+        failure = run_seed(args.seed, full_trace=True, faults=args.faults)
         print(failure or f"seed {args.seed}: every invariant held")
         return 1 if failure else 0
     started = time.monotonic()
     for seed in range(args.first, args.first + args.seeds):
-        failure = run_seed(seed)
+        failure = run_seed(seed, faults=args.faults)
         if failure:
             print(failure)
             return 1

@@ -15,6 +15,7 @@ order the store grants them.
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -56,10 +57,19 @@ class SharedStore:
         self.faults_on = False
         #: A partition: while set (and faults are on), every request is lost.
         self.outage = False
+        #: Processes whose link is cut (pid -> until when): their requests and the
+        #: answers to them are lost, while every other process reaches the store.
+        self.partitioned: dict[int, float] = {}
         #: The last fencing token granted per key, in grant order.
         self.last_token: dict[str, int] = {}
         #: When each task id was granted a lease (store time of the grant).
         self.grants_of: dict[str, list[float]] = {}
+        #: The store calls whose caller dies once they are applied: (the call's name,
+        #: its number among the calls of that name, from 1).
+        self.kill_at_calls: set[tuple[str, int]] = set()
+        self.calls_of: dict[str, int] = {}
+        #: When the store applied its holder's release of each grant (by owner token).
+        self.freed_at: dict[str, float] = {}
         self.calls = 0
 
     def granted(self, lease: Lease) -> None:
@@ -74,6 +84,16 @@ class SharedStore:
     def granted_to(self, task_id: Optional[str]) -> None:
         if task_id:
             self.grants_of.setdefault(task_id, []).append(self.scheduler.now)
+
+
+def _step(what: str) -> str:
+    """A store call's step name: the method, and for a mark the mark's kind
+    (``swap_mark:done``), so that a kill can follow the recording of an end."""
+    found = re.match(r"(\w+)\((?:[^,]*, (\w+))?", what)
+    if found is None:
+        return what
+    method, kind = found.groups()
+    return f"{method}:{kind}" if method in ("read_mark", "swap_mark") and kind else method
 
 
 class LinkedStore(Backend):
@@ -94,6 +114,8 @@ class LinkedStore(Backend):
         if not scheduler.running_process().alive:
             raise Killed
         shared.calls += 1
+        name = _step(what)
+        number = shared.calls_of[name] = shared.calls_of.get(name, 0) + 1
         faults = shared.faults if shared.faults_on else LinkFaults()
         rng = self.rng
         out = self._delay(faults)
@@ -103,14 +125,21 @@ class LinkedStore(Backend):
             scheduler.yield_now()
         if not scheduler.running_process().alive:
             raise Killed
-        lose = faults.lose_request or (shared.outage and shared.faults_on)
-        if lose and (rng.random() < faults.lose_request or (shared.outage and shared.faults_on)):
+        cut = self._cut()
+        lose = faults.lose_request or (shared.outage and shared.faults_on) or cut
+        if lose and (
+            cut or rng.random() < faults.lose_request or (shared.outage and shared.faults_on)
+        ):
             scheduler.trace(f"{scheduler.now:9.3f} {self.label} {what}: request lost")
             raise BackendUnavailable(f"{what}: the request was lost (simulated)", self.safe_url)
         try:
             result = apply()
         except BackendUnavailable:
             raise
+        if shared.faults_on and (name, number) in shared.kill_at_calls:
+            scheduler.trace(f"{scheduler.now:9.3f} {self.label} {what} -> {_short(result)}")
+            scheduler.kill(scheduler.running_process(), "SIGKILL after a store call")
+            raise Killed
         lost = faults.lose_answer and rng.random() < faults.lose_answer
         scheduler.trace(
             f"{scheduler.now:9.3f} {self.label} {what} -> {_short(result)}"
@@ -121,9 +150,16 @@ class LinkedStore(Backend):
             scheduler.block(scheduler.now + back)
         if not scheduler.running_process().alive:
             raise Killed
+        lost = lost or self._cut()
         if lost:
             raise BackendUnavailable(f"{what}: the answer was lost (simulated)", self.safe_url)
         return result
+
+    def _cut(self) -> bool:
+        """Whether the calling process's link is cut now (a partition of its own)."""
+        shared = self.shared
+        until = shared.partitioned.get(shared.scheduler.running_process().pid)
+        return shared.faults_on and until is not None and shared.scheduler.now < until
 
     def _delay(self, faults: LinkFaults) -> float:
         rng = self.rng
@@ -161,17 +197,24 @@ class LinkedStore(Backend):
 
     def release(self, lease: Lease, end: End = NO_END) -> Optional[bool]:
         mark = f", mark {end.mark.new}" if end.mark is not None else ""
-        return self._call(
-            f"release({lease.key}, token {lease.fencing_token}{mark})",
-            lambda: self.shared.memory.release(lease, end),
-        )
+        shared = self.shared
+
+        def apply() -> Optional[bool]:
+            freed = shared.memory.release(lease, end)
+            if freed:
+                shared.freed_at.setdefault(lease.owner, shared.scheduler.now)
+            return freed
+
+        return self._call(f"release({lease.key}, token {lease.fencing_token}{mark})", apply)
 
     def wait(self, key: str, timeout: float, claimant: Optional[str] = None) -> None:
         scheduler = self.shared.scheduler
         if not scheduler.running_process().alive:
             raise Killed
         shared = self.shared
-        if shared.faults_on and (shared.outage or self.rng.random() < shared.faults.lose_request):
+        if shared.faults_on and (
+            shared.outage or self._cut() or self.rng.random() < shared.faults.lose_request
+        ):
             scheduler.block(scheduler.now + self.rng.uniform(0, timeout))
             raise BackendUnavailable("wait: the link broke (simulated)", self.safe_url)
         self.shared.memory.wait(key, timeout, claimant)

@@ -2,9 +2,10 @@
 holds on the engine, and still shows the bug when the bug is put back (the bug is the
 seeded one of the same name in mutants.py).
 
-A change to the world that moves a schedule away from its bug fails the second test:
-find the bug's new first seed with ``python -m tests.simulation.mutants --only NAME``
-and pin it here.
+Each seed replays in the world it was found in (its faults' version): a world that
+gains faults keeps the older seeds' schedules. A change that still moves a schedule
+away from its bug fails the second test: find the bug's new first seed with
+``python -m tests.simulation.mutants --only NAME`` and pin it here.
 """
 
 from __future__ import annotations
@@ -14,52 +15,62 @@ import pytest
 from .mutants import MUTANTS, PACKAGE, run_mutant
 from .run import run_seed
 
-#: (the seeded bug of mutants.py, the first seed that caught it, what was fixed).
+#: (the seeded bug of mutants.py, the first seed that caught it, the world's faults it
+#: was found in (see tests/simulation/world.py's FAULTS), what was fixed).
 FOUND = [
     (
         "older-change-replaces-newer",
         68,
+        1,
         "a change that joins the pending rerun late no longer replaces a newer one: "
         "changes carry when they were sent (exclusive_as_of)",
     ),
     (
         "dead-rerun-args-dropped",
         272,
+        1,
         "a duplicate taking a dead pending rerun's place keeps the newer of the two changes",
     ),
     (
         "owed-run-never-handed-on",
         500,
+        1,
         "a pending rerun that gives up or dies hands its run on to a new call",
     ),
     (
         "taken-arguments-lost",
         496,
+        1,
         "arguments a pending rerun took go with the call when the store fails right after",
     ),
     (
         "priority-waits-on-the-away",
         114,
+        1,
         "a waiting priority call passes one that is away on a requeue",
     ),
     (
         "skip-records-no-end",
         32,
+        1,
         "a requeued or skipped duplicate records its end, so its copy is dropped",
     ),
     (
         "finished-mark-expires-at-once",
         10,
+        1,
         "a finished mark lasts as long as a copy may come (an hour at least)",
     ),
     (
         "copy-of-an-ended-attempt-runs",
         32,
+        1,
         "a copy refused or granted the key reads the finished mark before it runs",
     ),
     (
         "gives-up-silently",
         5785,
+        1,
         "a call that gives up says so before it records its end: a process that dies "
         "between the two leaves the line, and the copy that finds the record is dropped",
     ),
@@ -68,15 +79,15 @@ FOUND = [
 MUTANT = {mutant.name: mutant for mutant in MUTANTS}
 
 
-@pytest.mark.parametrize(("bug", "seed", "fixed"), FOUND, ids=[bug for bug, _, _ in FOUND])
-def test_the_schedule_that_found_a_bug_holds_every_invariant(bug, seed, fixed):
-    failure = run_seed(seed)
+@pytest.mark.parametrize(("bug", "seed", "faults", "fixed"), FOUND, ids=[f[0] for f in FOUND])
+def test_the_schedule_that_found_a_bug_holds_every_invariant(bug, seed, faults, fixed):
+    failure = run_seed(seed, faults=faults)
     assert failure is None, f"{bug} is back ({fixed}):\n{failure}"
 
 
-@pytest.mark.parametrize(("bug", "seed", "fixed"), FOUND, ids=[bug for bug, _, _ in FOUND])
-def test_the_schedule_that_found_a_bug_still_finds_it_when_it_is_put_back(bug, seed, fixed):
-    caught, _, said = run_mutant(MUTANT[bug], seeds=1, first=seed)
+@pytest.mark.parametrize(("bug", "seed", "faults", "fixed"), FOUND, ids=[f[0] for f in FOUND])
+def test_the_schedule_that_found_a_bug_still_finds_it_when_it_is_put_back(bug, seed, faults, fixed):
+    caught, _, said = run_mutant(MUTANT[bug], seeds=1, first=seed, faults=faults)
     assert caught == seed, (
         f"seed {seed} no longer reaches {bug!r} ({said}); find its first seed with "
         f"python -m tests.simulation.mutants --only {bug} and pin it in FOUND"

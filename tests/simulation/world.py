@@ -15,6 +15,7 @@ later, a message rejected goes back to the queue.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import random
@@ -43,6 +44,23 @@ TASK = "sim.work"
 
 #: The ends a message may reach only one kind of (a copy set aside or dropped, a
 #: requeue, a process lost are on the way to one of them).
+#: The version of the world's faults. A seed is one schedule of one version: a
+#: regression seed names the version it was found in, and replays in it. 1: kills at
+#: random times, pauses, outages and a misbehaving link; 2: also partitions of one
+#: process's link and kills right after a store call (drawn from a stream of their own,
+#: so a seed of version 1 without them keeps its schedule).
+FAULTS = 2
+#: The store calls after which a step kill may land.
+STEPS = (
+    "try_acquire",
+    "release",
+    "renew",
+    "read_mark:done",
+    "swap_mark:done",
+    "read_mark:rerun",
+    "swap_mark:rerun",
+    "swap_mark:line",
+)
 TERMINAL = frozenset({"ran", "skipped", "coalesced", "gave up", "failed"})
 
 
@@ -82,6 +100,13 @@ class Config:
     #: Windows in which the store answers nothing (a partition), each ttl/2 to 2 ttl.
     outages: int = 0
     lost_acks: float = 0.0
+    #: Windows in which one process's link to the store is black-holed (its requests
+    #: and the answers coming back to it are lost) while the others reach the store:
+    #: ttl/2 to 2 ttl each, on a process that holds a key when one does.
+    partitions: int = 0
+    #: Processes killed right after a store call they made was applied, before they
+    #: see its answer: the steps a kill at a random time misses (calls take no time).
+    step_kills: int = 0
     #: Producers stamp their messages with when they sent them (ExclusiveTask's
     #: apply_async does; a send_task by name does not).
     stamped: bool = True
@@ -160,6 +185,17 @@ def draw_config(rng) -> Config:
     )
 
 
+def _with_partitions(config: Config, seed: int) -> Config:
+    """``config`` with its partitions, drawn from a stream of their own: a seed drawn
+    before they existed keeps its schedule (the regression seeds stay pinned)."""
+    faulty = config.link != LinkFaults() or config.kills or config.pauses or config.outages
+    if not faulty:
+        return config
+    chance = random.Random(seed * 7919 + 17)
+    partitions, step_kills = chance.choice([0, 0, 1, 2]), chance.choice([0, 0, 1, 2])
+    return dataclasses.replace(config, partitions=partitions, step_kills=step_kills)
+
+
 @dataclass
 class Message:
     task_id: str
@@ -197,11 +233,21 @@ class Body:
 
 
 class World:
-    def __init__(self, seed: int, config: Optional[Config] = None, trace_lines: int = 400) -> None:
+    def __init__(
+        self,
+        seed: int,
+        config: Optional[Config] = None,
+        trace_lines: int = 400,
+        faults: int = FAULTS,
+    ) -> None:
         self.seed = seed
         self.scheduler = Scheduler(seed, self._note)
         self.rng = self.scheduler.rng
-        self.config = config or draw_config(self.rng)
+        if config is None:
+            config = draw_config(self.rng)
+            if faults >= 2:
+                config = _with_partitions(config, seed)
+        self.config = config
         self.trace: deque[str] = deque(maxlen=trace_lines)
         self.full_trace: Optional[list[str]] = None
         self.settings = self.config.settings()
@@ -220,6 +266,8 @@ class World:
         self.losses: dict[int, float] = {}
         #: What the library said at WARNING and above.
         self.warnings: list[str] = []
+        #: The requeue count of each call's last delivery taken by a child.
+        self.taken_requeues: dict[str, int] = {}
         self.faults_until = self.config.window
 
     # --- the trace ---------------------------------------------------------------------
@@ -297,9 +345,30 @@ class World:
             length = rng.uniform(config.lease_ttl / 2, config.lease_ttl * 2)
             scheduler.at(start, lambda: self._outage(True))
             scheduler.at(min(start + length, config.window), lambda: self._outage(False))
+        chance = random.Random(self.seed * 7919 + 18)  # not the schedule's stream
+        for _ in range(config.partitions):
+            start = chance.uniform(0, config.window)
+            length = chance.uniform(config.lease_ttl / 2, config.lease_ttl * 2)
+            pick = chance.random()
+            scheduler.at(start, lambda n=length, r=pick: self._partition(n, r))
+        self.store.kill_at_calls = {
+            (chance.choice(STEPS), chance.randint(1, 30)) for _ in range(config.step_kills)
+        }
         for _ in range(config.pauses):
             seconds = rng.choice([0.2, config.lease_ttl * 0.5, config.lease_ttl * 2])
             scheduler.at(rng.uniform(0, config.window), lambda s=seconds: self._pause_a_child(s))
+
+    def _partition(self, seconds: float, pick: float) -> None:
+        """Black-hole one process's link for ``seconds``: one that runs a body if any."""
+        alive = [c for c in self.children if c.alive]
+        holding = [c for c in alive if c.pid in self.running]
+        chosen = holding or alive
+        if not chosen:
+            return
+        child = chosen[int(pick * len(chosen))]
+        until = min(self.scheduler.now + seconds, self.faults_until)
+        self.store.partitioned[child.pid] = until
+        self.note(f"{child.name}'s link to the store is cut until {until:.3f}")
 
     def _outage(self, on: bool) -> None:
         self.store.outage = on
@@ -386,6 +455,7 @@ class World:
         config, scheduler = self.config, self.scheduler
         process = scheduler.running_process()
         self.running[process.pid] = message
+        self.taken_requeues[message.task_id] = message.requeues
         self.note(f"{process.name} takes {message.task_id} v{message.version} r{message.requeues}")
         if config.acks_late:
             self.unacked[message.task_id] = message
@@ -574,6 +644,7 @@ class World:
             lease = body.lease
             if isinstance(lease, HeldLease) and not lease.lost:
                 by_key.setdefault(body.key, []).append(body)
+                self._check_deadline(body, lease, now)
             if (
                 body.lost_at is not None
                 and self.config.on_lease_lost == "terminate"
@@ -590,6 +661,23 @@ class World:
                     f"lost (limit {self.config.limit}): "
                     + ", ".join(f"{b.task_id} token {b.lease.fencing_token}" for b in running)
                 )
+
+    def _check_deadline(self, body: Body, lease: HeldLease, now: float) -> None:
+        """A holder never counts its lease past the store's expiry of it: what keeps
+        two bodies from overlapping when the holder cannot reach the store. (Both read
+        one virtual monotonic clock; the deadline counts from the send of the last
+        grant or renewal the store confirmed, the store's expiry from when it applied.)"""
+        if lease.deadline <= now:
+            return  # past: the keeper flags it at this instant
+        grant = self.store.memory._store.grants.get(body.key, {}).get(lease.grant.owner)
+        kept_until = grant.expires_at if grant is not None else float("-inf")
+        if lease.deadline > kept_until + 1e-9:
+            kept = "no longer has it" if grant is None else f"keeps it until {kept_until:.3f}"
+            raise Violation(
+                f"body {body.task_id} counts its lease on {body.key!r} (token "
+                f"{lease.fencing_token}) as held until {lease.deadline:.3f}, but the store "
+                f"{kept}"
+            )
 
     def _ran_since(self, body: Body, since: float) -> float:
         """Virtual seconds the body's process was not paused, from ``since`` to now (the
@@ -618,25 +706,34 @@ class World:
             if not ends:
                 raise Violation(f"{task_id} ({key} v{version}) reached no end")
             final = {kind for _, kind, _ in ends if kind in TERMINAL}
+            if not final and self._gave_up_unsaid(task_id):
+                raise Violation(
+                    f"{task_id} ({key} v{version}) gave up, its process died before it "
+                    "could say so, and nothing said it: "
+                    + ", ".join(f"{kind} at {when:.3f}" for when, kind, _ in ends)
+                )
             if len(final) > 1 and not any(task_id in line for line in self.warnings):
                 raise Violation(
                     f"{task_id} ({key} v{version}) reached {len(final)} different ends "
                     f"({', '.join(sorted(final))}), nothing said why"
                 )
             runs = sorted(
-                (b for b in self.bodies if b.task_id == task_id and b.completed),
+                (b for b in self.bodies if b.task_id == task_id and self._ended(b)),
                 key=lambda b: b.started,
             )
             window = host_for(self.config).finished_ttl
             for first, again in zip(runs, runs[1:]):
                 lost = (
                     any(
-                        b.lost_at is not None or not b.completed
+                        b.lost_at is not None or not self._ended(b)
                         for b in self.bodies
                         if b.task_id == task_id and first.started <= b.started < again.started
                     )
-                    or any(  # its process died before the end was recorded (at least once)
-                        kind.startswith("lost") and first.started <= when <= again.started
+                    or any(  # its process died before the end was recorded (at least once):
+                        # before the store freed the run's lease, which carries the record
+                        kind.startswith("lost")
+                        and first.started <= when <= again.started
+                        and not self._freed_by(first, when)
                         for when, kind, _ in ends
                     )
                     or any(  # the store took the record of its end late, or never: said
@@ -683,6 +780,38 @@ class World:
                         f"under rerun, no run of {key!r} started after v{version} arrived "
                         f"at {arrived:.3f} and saw it"
                     )
+
+    def _gave_up_unsaid(self, task_id: str) -> bool:
+        """Whether the call ``task_id`` reached no end its host saw (its process died
+        once its attempt had ended, and each copy found the record and was dropped),
+        where that end can only have been a give-up (``requeue`` or ``wait`` at
+        ``requeue_max_retries``: a held key is requeued, a free one runs), and nothing
+        said so."""
+        config, ends = self.config, self.ends.get(task_id, [])
+        limit = config.requeue_max_retries
+        if config.on_duplicate not in ("requeue", "wait") or limit is None:
+            return False
+        if any(kind == "lost" for _, kind, _ in ends):  # WorkerLostError: named
+            return False
+        if any(b.task_id == task_id and self._ended(b) for b in self.bodies):
+            return False
+        if self.taken_requeues.get(task_id, 0) < limit:
+            return False
+        return not any(f"[{task_id}] gives up after" in line for line in self.warnings)
+
+    def _ended(self, body: Body) -> bool:
+        """Whether ``body`` ran to its end and that end was recorded: its call's outcome
+        reached the host, or the store applied the release of its lease (which carries
+        the record), even if its process died before it could say so."""
+        return body.completed or (body.how == "returned" and self._freed_by(body, float("inf")))
+
+    def _freed_by(self, body: Body, when: float) -> bool:
+        """Whether the store had applied the release of ``body``'s lease by ``when``."""
+        lease = body.lease
+        if not isinstance(lease, HeldLease):
+            return False
+        freed = self.store.freed_at.get(lease.grant.owner)
+        return freed is not None and freed <= when
 
     def _failed_on_the_way(self, task_id: str, since: float, depth: int = 0) -> bool:
         """Whether the call ``task_id`` ended in a named error (lost with its process,
