@@ -191,6 +191,15 @@ MUTANTS = [
         "                    lease.renewed_at = runtime.monotonic()",
     ),
     Mutant(
+        "failed-renewal-confirms",
+        "a renewal the store did not answer counts as confirmed",
+        "core/heartbeat.py",
+        "        except ExclusiveError as exc:  # unavailable, or refused (a permission changed)\n"
+        "            self.heartbeat._failed(self, exc)",
+        "        except ExclusiveError as exc:  # unavailable, or refused (a permission changed)\n"
+        "            self.heartbeat._confirmed(self, set())",
+    ),
+    Mutant(
         "grant-timed-from-the-answer",
         "a grant's lease is counted from when its answer came, not when it was asked for",
         "core/lease.py",
