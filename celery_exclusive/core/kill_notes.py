@@ -130,5 +130,15 @@ def take_kill_note(call_id: Optional[str], pid: Optional[int] = None) -> Optiona
     except ValueError:
         return None
     if parent != runtime.getpid() or (pid is not None and killed != pid):
+        # Said, not silent: the call is then handled as any death, and not sent again.
+        logger.warning(
+            "the kill note of %s names process %d (a child of %d), not the one that died "
+            "(%s, a child of %d): the call is not sent again",
+            call_id,
+            killed,
+            parent,
+            pid if pid is not None else "unknown",
+            runtime.getpid(),
+        )
         return None
     return KillNote(arguments or None)

@@ -145,6 +145,16 @@ def holds_anew(cluster, key: str, stopped) -> bool:
     return [info.fencing_token > stopped.fencing_token for info in cluster.holders(key)] == [True]
 
 
+def said_of(cluster, *names: str) -> str:
+    """The lines of the workers' logs that name any of ``names`` (a task id, a pid)."""
+    return "\n".join(
+        line
+        for worker in cluster.workers
+        for line in worker.output().splitlines()
+        if any(name in line for name in names)
+    )
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -175,7 +185,9 @@ def test_a_pending_rerun_killed_for_its_lost_lease_runs_again_with_the_pending_a
     backend_for_url(cluster.store).force_release("exclusive:revived")
     # Found lost within ttl / 3; killed when it has not stopped 1 s (its grace) later.
     assert wait_until(lambda: not alive(pid), timeout=cluster.ttl + 5), "never killed"
-    assert wait_until(lambda: holds_anew(cluster, "revived", first), timeout=cluster.ttl + 10)
+    assert wait_until(lambda: holds_anew(cluster, "revived", first), timeout=cluster.ttl + 10), (
+        "not sent again; the workers said:\n" + said_of(cluster, pending.id, str(pid))
+    )
     cluster.ledger.set("release:revived", 1)
     rerun = pending.get(timeout=30)
     assert rerun["version"] == 3, "the coalesced duplicates' change was lost"
