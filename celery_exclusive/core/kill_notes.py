@@ -102,8 +102,12 @@ def note_kill(call_id: Optional[str], arguments: Optional[str] = None) -> None:
 
 
 def _sweep_stale(keep: str) -> None:
-    """Remove the notes older than :data:`STALE_AFTER` (not ``keep``, just written)."""
-    too_old = runtime.wall() - STALE_AFTER
+    """Remove the notes older than :data:`STALE_AFTER` (not ``keep``, just written).
+
+    Their age is read on one clock, the file system's: against ``keep``'s time of
+    writing, not this process's clock, which may be another (a clock stepped or faked,
+    a simulated one) and would then sweep notes their parents are about to take."""
+    too_old = os.stat(keep).st_mtime - STALE_AFTER
     with os.scandir(notes_dir()) as entries:
         for entry in entries:
             with contextlib.suppress(OSError):

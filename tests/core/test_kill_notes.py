@@ -7,9 +7,11 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
+from celery_exclusive import runtime
 from celery_exclusive.core import kill_notes
 from celery_exclusive.engine.arguments import decode_call, encode_call
 
@@ -92,4 +94,15 @@ def test_a_note_nobody_took_is_swept_away_by_a_later_note_once_it_is_stale(tmp_n
     pid = leave_note("fresh")
     assert not os.path.exists(orphan)
     assert os.path.exists(kill_notes._note_path("recent"))  # not stale yet: kept
+    assert kill_notes.take_kill_note("fresh", pid) is not None
+
+
+def test_a_note_written_by_a_process_whose_clock_runs_ahead_sweeps_no_fresh_note(
+    tmp_notes, monkeypatch
+):
+    """Age is read on the file system's clock: a process shown another time (a clock
+    stepped or faked, a simulated one) leaves the notes other parents are about to take."""
+    pid = leave_note("fresh")
+    monkeypatch.setattr(runtime, "wall", lambda: time.time() + 2 * kill_notes.STALE_AFTER)
+    kill_notes.note_kill("written-an-hour-ahead")
     assert kill_notes.take_kill_note("fresh", pid) is not None

@@ -18,7 +18,9 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import os
 import random
+import tempfile
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
@@ -287,10 +289,17 @@ class World:
         # The library's own draws (a requeue's jitter) come from the seed too.
         saved_random = random.getstate()
         random.seed(self.seed)
-        try:
-            self._run_installed(name)
-        finally:
-            random.setstate(saved_random)
+        # Kill notes are files: the world's go to a folder of its own, never beside the
+        # notes of real workers on this machine (which a simulated clock could sweep).
+        with tempfile.TemporaryDirectory(prefix="sim-notes-") as folder:
+            notes = os.path.join(folder, "killed")
+            saved_notes_dir = kill_notes.notes_dir
+            kill_notes.notes_dir = lambda: notes  # type: ignore[assignment]
+            try:
+                self._run_installed(name)
+            finally:
+                kill_notes.notes_dir = saved_notes_dir  # type: ignore[assignment]
+                random.setstate(saved_random)
 
     def _run_installed(self, name: str) -> None:
         scheduler, config = self.scheduler, self.config
