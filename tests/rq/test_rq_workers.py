@@ -99,10 +99,22 @@ def stack(redis_server):
         worker.stop()
 
 
+def unfinished(stack: Stack) -> list[str]:
+    """The ids of the stack queue's jobs still waiting, scheduled or running."""
+    queue = stack.queue
+    registries = (queue.started_job_registry, queue.scheduled_job_registry)
+    return [*queue.get_job_ids(), *(i for r in registries for i in r.get_job_ids())]
+
+
 @pytest.fixture
 def rq_stack(stack):
+    """The stack with an empty ledger, given back with no job of its queue left running:
+    a run a test set going and did not wait for would write into the next test's ledger."""
     stack.client.delete("ledger", "callbacks")
-    return stack
+    yield stack
+    assert wait_until(lambda: not unfinished(stack), timeout=30), (
+        f"jobs left unfinished by the test: {unfinished(stack)}"
+    )
 
 
 def status(job: Job) -> str:
