@@ -33,8 +33,8 @@ from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
 from celery.worker.request import Request as CeleryRequest
 
-from ..core import config, holders, marks, outcomes
-from ..engine import attempt
+from ..core import config, holders, outcomes
+from ..engine import attempt, enqueue
 from ..errors import BackendUnavailable, DuplicateCoalesced, DuplicateSkipped
 from . import results
 
@@ -92,18 +92,33 @@ def _enter(task: Any, args: tuple, kwargs: dict, body: Body) -> Any:
         key = task.exclusive_key_for(args, kwargs)
         if settings.scope == "run" or _cannot_requeue(request):
             return _call_exclusive(task, request, settings, key, args, kwargs, body)[0]
-        cleared = False  # the enqueue mark: by the release, with the result, or below
+        mark = _EnqueueMark()  # cleared by the release (with the result), or below
         try:
-            value, cleared = _call_exclusive(task, request, settings, key, args, kwargs, body)
+            value, mark.settled = _call_exclusive(
+                task, request, settings, key, args, kwargs, body, mark
+            )
             return value
-        except (Retry, RedeliveredCopy):
-            cleared = True  # the same task id comes back, or still runs: still queued
+        except BaseException as exc:
+            # The same task id comes back (a retry from the body, a message it handed back)
+            # or the outcome says the mark is another delivery's: still queued.
+            mark.settled = mark.settled or isinstance(exc, Retry) or _comes_back(exc)
             raise
         finally:
-            if not cleared:
-                _clear_enqueue_mark(task, key)
+            if not mark.settled:
+                enqueue.clear(task.exclusive_backend, key, request.id)
     finally:
         running.pop()
+
+
+class _EnqueueMark:
+    """What is left to do with a call's enqueue mark as the call leaves: ``settled``
+    once its release cleared it, or once its message comes again under its id (then
+    the mark is that message's)."""
+
+    __slots__ = ("settled",)
+
+    def __init__(self) -> None:
+        self.settled = False
 
 
 def _call_exclusive(
@@ -114,9 +129,11 @@ def _call_exclusive(
     args: tuple,
     kwargs: dict,
     body: Body,
+    mark: Optional[_EnqueueMark] = None,
 ) -> tuple[Any, bool]:
     """Run the call: what it returns, and whether its result was stored with the
-    release of its lease (which cleared its enqueue mark too)."""
+    release of its lease (which cleared its enqueue mark too). ``mark`` learns, before
+    the outcome is carried out, whether the outcome keeps the call's enqueue mark."""
     if request.called_directly:
         holding = attempt.held_here(key)
         if holding is not None:
@@ -139,6 +156,8 @@ def _call_exclusive(
         as_of=stamp_of(request),
     )
     outcome = attempt.run(the_call, host_of(task, request, settings), lambda a, k: body(*a, **k))
+    if mark is not None:
+        mark.settled = enqueue.keeps_mark(outcome)
     handler = CeleryOutcomes(task)
     return outcome.carry_out(handler), handler.result_written
 
@@ -431,13 +450,6 @@ _REQUEUED_AS = {
     "unanswered": "requeued until the lease store answers",
     "lost": "requeued after its lease was lost",
 }
-
-
-def _clear_enqueue_mark(task: Any, key: str) -> None:
-    try:
-        marks.clear_mark(task.exclusive_backend, key, marks.QUEUED, task.request.id)
-    except BackendUnavailable as exc:
-        logger.warning("enqueue mark of %r left to expire (exclusive_enqueue_ttl): %s", key, exc)
 
 
 # --- the call in its thread ----------------------------------------------------------------

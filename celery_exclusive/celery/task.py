@@ -21,13 +21,13 @@ from kombu.utils.uuid import uuid
 
 from .. import runtime, signals
 from ..backends import Backend, backend_for_url
-from ..core import config, keys, marks
+from ..core import config, keys
 from ..core.keys import KeyBinder, KeySpec, check_key_spec
 from ..core.lease import HeldLease, UnlockedLease
 from ..core.lock import ExclusiveLock
-from ..engine import attempt
+from ..engine import attempt, enqueue
 from ..engine.arguments import decode_call
-from ..errors import BackendUnavailable, DuplicateSkipped, ExclusiveError
+from ..errors import DuplicateSkipped, ExclusiveError
 from . import checks, execution, worker
 from . import settings as app_settings
 from .execution import REQUEUES_HEADER, RedeliveredCopy  # noqa: F401 - where they were
@@ -207,16 +207,27 @@ class ExclusiveTask(Task):
         """Check the task's settings and key format (once), then send.
 
         With ``exclusive_scope="enqueue"``, send nothing for a key already queued or
-        running: return that call's AsyncResult instead.
+        running: return that call's AsyncResult instead. A retry sent from the body is
+        sent whatever the key's enqueue mark holds: it is the same call going on.
         """
         if options:
             checks.check_call_options(self.name, options)
-        current = attempt.current()
-        if current is not None and current.handing_off and task_id == self.request.id:
-            # retry() is sending this call again: end the attempt and release the lease
-            # first, so the retried message does not find it held (and a copy of this
-            # attempt's message does not run it again).
-            current.finish()
+        # retry() is sending this call again: its lease goes back first, and its
+        # attempt is recorded as ended once the message went out.
+        handed = attempt.hand_off(task_id)
+        result = self._send(args, kwargs, task_id, handed is not None, options)
+        if handed is not None:
+            handed.handed_off()
+        return result
+
+    def _send(
+        self,
+        args: Optional[Sequence[Any]],
+        kwargs: Optional[dict[str, Any]],
+        task_id: Optional[str],
+        retrying: bool,
+        options: dict[str, Any],
+    ) -> Any:
         settings = self.exclusive_settings
         if settings.on_duplicate == "rerun":
             options = stamped(options)
@@ -224,20 +235,10 @@ class ExclusiveTask(Task):
             return super().apply_async(args, kwargs, task_id=task_id, **options)
         key = self.exclusive_key_for(tuple(args or ()), dict(kwargs or {}))
         task_id = task_id or uuid()
-        try:
-            queued = marks.claim_mark(
-                self.exclusive_backend, key, marks.QUEUED, task_id, settings.enqueue_ttl
-            )
-        except BackendUnavailable as exc:
-            logger.warning(
-                "%s: cannot check whether %r is already queued, sending it (the run-time "
-                "lease still applies): %s",
-                self.name,
-                key,
-                exc,
-            )
-            queued = task_id
-        if queued != task_id:
+        queued = enqueue.claim(
+            self.exclusive_backend, self.name, key, task_id, settings.enqueue_ttl
+        )
+        if queued is not None and not retrying:
             logger.info("enqueue deduplicated key=%s: %s is already queued", key, queued)
             signals.duplicate_detected.send(
                 sender=self.name,

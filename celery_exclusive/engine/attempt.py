@@ -138,6 +138,19 @@ def current_lease() -> Optional[AnyLease]:
     return None if attempt is None else attempt.lease
 
 
+def hand_off(task_id: Optional[str]) -> Optional[Attempt]:
+    """The running call ``task_id`` is sending itself again from its body (Celery's
+    ``retry()``, as its message goes out): give its lease back first, so that the new
+    message does not find the key held by the attempt that sent it. Returns that
+    attempt, whose :meth:`~Attempt.handed_off` the host calls once the message went
+    out; None, and nothing done, outside such a send (:attr:`Attempt.handing_off`)."""
+    attempt = current()
+    if attempt is None or not attempt.handing_off or task_id != attempt.call.task_id:
+        return None
+    attempt.finish(ended=False)
+    return attempt
+
+
 def held_here(key: str) -> Optional[Attempt]:
     """The attempt running here that holds a lease on ``key``, if any."""
     for attempt in reversed(_attempts.get()):
@@ -566,6 +579,25 @@ class Attempt:
         self._release(lease, ended, write)
         if ended:
             self._drop_resume()
+
+    def handed_off(self) -> None:
+        """The call's next attempt went out (:func:`hand_off`): this one has ended, and
+        a copy of its message delivered later is dropped. Recorded once the message went
+        out, never before: a process that dies in between leaves its message to come
+        again (where the broker hands it back), not a call ended with nothing sent."""
+        call, lease = self.call, self.lease
+        if self.host.redelivery and call.task_id and isinstance(lease, HeldLease):
+            try:
+                self._mark_finished(lease)
+            except ExclusiveError as exc:
+                logger.warning(
+                    "could not record that %s[%s] handed off to its retry (%s): a copy "
+                    "of its message delivered again may run it once more",
+                    call.name,
+                    call.task_id,
+                    exc,
+                )
+        self._drop_resume()
 
     def _release(self, lease: HeldLease, ended: bool, write: Optional[FinalWrite]) -> None:
         call = self.call

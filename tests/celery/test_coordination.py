@@ -419,6 +419,17 @@ def test_a_task_that_retries_itself_three_times_completes(cluster):
     assert entry["retries"] == 3
 
 
+def test_a_retry_is_sent_while_another_call_holds_the_enqueue_mark(cluster):
+    # The call sent by name never held the mark; its retries go out through apply_async
+    # while a later call, due in a few seconds, holds it: a retry is the same call going
+    # on, never a duplicate to refuse (refused, it would stay RETRY for ever).
+    later = ledger_app.enqueued_retrying.apply_async(("marked",), countdown=4)
+    by_name = ledger_app.app.send_task(ledger_app.enqueued_retrying.name, args=("marked",))
+    assert by_name.get(timeout=30)["retries"] == 3
+    assert later.get(timeout=30)["retries"] == 3
+    assert [e["task_id"] for e in read_ledger(cluster.ledger)] == [by_name.id, later.id]
+
+
 def test_a_task_sent_by_name_is_still_covered_by_the_run_time_lease(cluster):
     holder = start_holding(ledger_app.enqueued_once, "export", 1.0, cluster)
     by_name = ledger_app.app.send_task(ledger_app.enqueued_once.name, args=("export", 0))

@@ -108,6 +108,9 @@ MUTANTS = [
         "    if redelivery and task_id and (task_id in holding or marks.waiting(backend, key, "
         "task_id)):",
         "    if False:",
+        # In the newest world the copy mostly meets its own grant and is requeued until
+        # the key is free (a call never skips itself), which hides it longer.
+        faults=2,
     ),
     Mutant(
         "take-the-rerun-twice",
@@ -222,6 +225,43 @@ MUTANTS = [
         '            logger.warning(\n                "%s gives up after',
         '            logger.debug(\n                "%s gives up after',
         faults=1,
+    ),
+    Mutant(
+        "own-orphan-grant-skips-the-call",
+        "a call meeting the grant of its own earlier attempt (its answer lost) is skipped "
+        "as a duplicate of itself",
+        "core/policies.py",
+        '        settings = replace(settings, on_duplicate="requeue")\n    described',
+        "        pass\n    described",
+    ),
+    Mutant(
+        "retry-recorded-before-it-is-sent",
+        "retry() records the attempt's end with its release, before the message goes out",
+        "engine/attempt.py",
+        "    attempt.finish(ended=False)",
+        "    attempt.finish(ended=True)",
+    ),
+    Mutant(
+        "handed-back-call-loses-its-enqueue-mark",
+        "a call whose message the broker takes back (stopped for its lost lease) clears "
+        "its enqueue mark as if it were over",
+        "engine/enqueue.py",
+        "outcomes.Dropped, outcomes.Redelivered)",
+        "outcomes.Dropped)",
+    ),
+    Mutant(
+        "enqueue-mark-claimed-over-another",
+        "a send claims the enqueue mark whoever holds it",
+        "core/marks.py",
+        "lambda current: current or value, ttl, only_if=value)",
+        "lambda current: value, ttl)",
+    ),
+    Mutant(
+        "enqueue-mark-cleared-whoever-holds-it",
+        "a call that ends clears its key's enqueue mark even when another call holds it",
+        "core/marks.py",
+        "    return backend.swap_mark(key, kind, value, None, 0)",
+        "    return backend.swap_mark(key, kind, backend.read_mark(key, kind), None, 0)",
     ),
 ]
 

@@ -30,6 +30,7 @@ def run_seed(seed: int, full_trace: bool = False, faults: int = FAULTS) -> Optio
             + "trace (virtual seconds, who, what):\n"
             + "\n".join(lines)
             + f"\nreplay: python -m tests.simulation.run --seed {seed}"
+            + ("" if faults == FAULTS else f" --faults {faults}")
         )
     return None
 

@@ -74,6 +74,27 @@ FOUND = [
         "a call that gives up says so before it records its end: a process that dies "
         "between the two leaves the line, and the copy that finds the record is dropped",
     ),
+    (
+        "own-orphan-grant-skips-the-call",
+        113,
+        3,
+        "a call whose grant's answer was lost meets that grant as an earlier attempt of "
+        "itself, and is requeued until it lapses rather than skipped as its own duplicate",
+    ),
+    (
+        "retry-recorded-before-it-is-sent",
+        484,
+        3,
+        "retry() gives the lease back first and records the attempt's end only once the "
+        "retry went out: a process killed in between leaves its message to come again",
+    ),
+    (
+        "handed-back-call-loses-its-enqueue-mark",
+        1558,
+        3,
+        "a call whose message the broker takes back keeps its enqueue mark: no second "
+        "call of its key is sent while it is queued again",
+    ),
 ]
 
 MUTANT = {mutant.name: mutant for mutant in MUTANTS}

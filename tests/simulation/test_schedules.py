@@ -2,9 +2,10 @@
 and pauses the CI seeds draw, each run on the real engine (tests/simulation/world.py),
 every invariant checked after every step.
 
-``pytest tests/simulation`` runs the CI budget; ``SIM_SEEDS=N`` sets another (and
-``SIM_FIRST=K`` where to start); a failure prints its seed, the trace of the steps
-that led to it and the one command that replays it. A night's run:
+``pytest tests/simulation`` runs the CI budget in every world (each version of the
+faults, :data:`~.world.FAULTS`); ``SIM_SEEDS=N`` sets another (and ``SIM_FIRST=K``
+where to start); a failure prints its world, its seed, the trace of the steps that led
+to it and the one command that replays it. A night's run:
 ``python -m tests.simulation.run --seeds 1000000``.
 """
 
@@ -16,27 +17,33 @@ import time
 import pytest
 
 from .run import run_seed
+from .world import FAULTS
 
-#: The seeds CI explores: a few thousand schedules, about a minute on one core, and
-#: enough that every seeded bug of mutants.py is caught.
+#: The seeds CI explores in each world: a few thousand schedules, about half a minute on
+#: one core, and enough that every seeded bug of mutants.py is caught in its world.
 CI_SEEDS = 6000
+#: The worlds CI explores: the newest, and every older one a seeded bug is caught in
+#: (a world that gains faults moves some schedules away from what an older one reached).
+WORLDS = tuple(range(1, FAULTS + 1))
 #: Schedules per test, so that xdist spreads them and a failure names a small range.
-CHUNK = 250
+CHUNK = 500
 
 
-def _chunks() -> list[tuple[int, int]]:
+def _chunks() -> list[tuple[int, int, int]]:
     first = int(os.environ.get("SIM_FIRST", "0"))
     total = int(os.environ.get("SIM_SEEDS", str(CI_SEEDS)))
     return [
-        (start, min(CHUNK, first + total - start)) for start in range(first, first + total, CHUNK)
+        (faults, start, min(CHUNK, first + total - start))
+        for faults in WORLDS
+        for start in range(first, first + total, CHUNK)
     ]
 
 
-@pytest.mark.parametrize(("first", "count"), _chunks(), ids=lambda v: str(v))
-def test_every_invariant_holds_on_every_schedule(first, count):
+@pytest.mark.parametrize(("faults", "first", "count"), _chunks(), ids=lambda v: str(v))
+def test_every_invariant_holds_on_every_schedule(faults, first, count):
     started = time.monotonic()
     for seed in range(first, first + count):
-        failure = run_seed(seed)
-        assert failure is None, failure
+        failure = run_seed(seed, faults=faults)
+        assert failure is None, f"world {faults}: {failure}"
     took = time.monotonic() - started
-    print(f"seeds {first}..{first + count - 1}: {count / took * 60:.0f} schedules a minute")
+    print(f"world {faults}, seeds {first}..{first + count - 1}: {count / took * 60:.0f} a minute")

@@ -36,7 +36,8 @@ from celery_exclusive.core.feed import feed
 from celery_exclusive.core.heartbeat import heartbeat
 from celery_exclusive.core.lease import HeldLease
 from celery_exclusive.core.terminate import _running as running_stoppers
-from celery_exclusive.engine import attempt
+from celery_exclusive.engine import attempt, enqueue
+from celery_exclusive.engine.arguments import decode_call
 from celery_exclusive.errors import DuplicateSkipped, ExclusiveError, LeaseLost
 
 from .scheduler import Killed, Scheduler, SimEvent
@@ -50,8 +51,10 @@ TASK = "sim.work"
 #: regression seed names the version it was found in, and replays in it. 1: kills at
 #: random times, pauses, outages and a misbehaving link; 2: also partitions of one
 #: process's link and kills right after a store call (drawn from a stream of their own,
-#: so a seed of version 1 without them keeps its schedule).
-FAULTS = 2
+#: so a seed of version 1 without them keeps its schedule); 3: also calls sent through
+#: the task's ``apply_async`` under ``scope="enqueue"``/``"both"`` (beside calls sent by
+#: name, which bypass it) and bodies that call ``retry()`` (a stream of their own too).
+FAULTS = 3
 #: The store calls after which a step kill may land.
 STEPS = (
     "try_acquire",
@@ -112,6 +115,16 @@ class Config:
     #: Producers stamp their messages with when they sent them (ExclusiveTask's
     #: apply_async does; a send_task by name does not).
     stamped: bool = True
+    #: ``run``, or ``enqueue``/``both``: apply_async sends nothing for a key whose
+    #: enqueue mark another call holds (Celery only).
+    scope: str = "run"
+    #: The share of calls sent by name (``send_task``): they bypass the enqueue mark.
+    by_name: float = 0.0
+    #: The share of runs whose body calls ``retry()`` once, part way (Celery only).
+    retrying: float = 0.0
+    #: The chance that a process sending its retry is killed at each step of the send
+    #: (once its lease went back; once its message went out).
+    handoff_kills: float = 0.0
 
     def settings(self) -> Settings:
         return Settings(
@@ -128,6 +141,7 @@ class Config:
             on_lease_lost=self.on_lease_lost,  # type: ignore[arg-type]
             terminate_grace=self.terminate_grace,
             on_backend_error=self.on_backend_error,  # type: ignore[arg-type]
+            scope=self.scope,  # type: ignore[arg-type]
         )
 
 
@@ -187,15 +201,26 @@ def draw_config(rng) -> Config:
     )
 
 
-def _with_partitions(config: Config, seed: int) -> Config:
-    """``config`` with its partitions, drawn from a stream of their own: a seed drawn
-    before they existed keeps its schedule (the regression seeds stay pinned)."""
+def _with_later_draws(config: Config, seed: int, faults: int) -> Config:
+    """``config`` with what worlds after the first add, each drawn from a stream of its
+    own: a seed drawn before they existed keeps its schedule in its own world (the
+    regression seeds stay pinned)."""
     faulty = config.link != LinkFaults() or config.kills or config.pauses or config.outages
-    if not faulty:
-        return config
-    chance = random.Random(seed * 7919 + 17)
-    partitions, step_kills = chance.choice([0, 0, 1, 2]), chance.choice([0, 0, 1, 2])
-    return dataclasses.replace(config, partitions=partitions, step_kills=step_kills)
+    if faulty and faults >= 2:
+        chance = random.Random(seed * 7919 + 17)
+        partitions, step_kills = chance.choice([0, 0, 1, 2]), chance.choice([0, 0, 1, 2])
+        config = dataclasses.replace(config, partitions=partitions, step_kills=step_kills)
+    if faults >= 3 and config.host == "celery":
+        chance = random.Random(seed * 7919 + 19)
+        scope = chance.choice(["run", "run", "enqueue", "both"])
+        config = dataclasses.replace(
+            config,
+            scope=scope,
+            by_name=chance.choice([0.0, 0.3, 0.6]) if scope != "run" else 0.0,
+            retrying=chance.choice([0.0, 0.0, 0.1, 0.3]),
+            handoff_kills=chance.choice([0.0, 0.0, 0.3]) if faulty else 0.0,
+        )
+    return config
 
 
 @dataclass
@@ -215,6 +240,10 @@ class Message:
     set_aside: bool = False
     eta: float = 0.0
     seq: int = 0
+    #: Sent by name (``send_task``), bypassing the enqueue mark.
+    by_name: bool = False
+    #: The step of its body at which each run of it calls ``retry()``, if any.
+    retry_at: Optional[int] = None
 
 
 @dataclass
@@ -232,6 +261,8 @@ class Body:
     lost_at: Optional[float] = None
     #: Its call's outcome was Ran: it ran to its end, the end recorded.
     completed: bool = False
+    #: It called ``retry()``: its attempt ended, its lease went back, Retry leaves it.
+    handed_off: bool = False
 
 
 class World:
@@ -247,8 +278,7 @@ class World:
         self.rng = self.scheduler.rng
         if config is None:
             config = draw_config(self.rng)
-            if faults >= 2:
-                config = _with_partitions(config, seed)
+            config = _with_later_draws(config, seed, faults)
         self.config = config
         self.trace: deque[str] = deque(maxlen=trace_lines)
         self.full_trace: Optional[list[str]] = None
@@ -271,6 +301,11 @@ class World:
         #: The requeue count of each call's last delivery taken by a child.
         self.taken_requeues: dict[str, int] = {}
         self.faults_until = self.config.window
+        #: The calls sent through apply_async that are not over yet, by key.
+        self.live: dict[str, set[str]] = {}
+        #: Sends refused at enqueue: task id -> (when, key, the call named instead).
+        self.refused: dict[str, tuple[float, str, str]] = {}
+        self.handoff_chance = random.Random(seed * 7919 + 21)  # the third world's
 
     # --- the trace ---------------------------------------------------------------------
 
@@ -338,12 +373,15 @@ class World:
             self._spawn_child(i)
         keys = [f"exclusive:k{i}" for i in range(config.keys)]
         self.versions = dict.fromkeys(keys, 0)
+        later = random.Random(self.seed * 7919 + 20)  # the third world's, as above
         for _ in range(config.messages):
             message = Message(
                 task_id=uuid.UUID(int=rng.getrandbits(128)).hex[:12],
                 key=rng.choice(keys),
                 version=0,  # the key's next, as it arrives: the latest change is the last
                 duration=rng.choice([0.3, 1.0, config.lease_ttl * 1.5, config.lease_ttl * 3]),
+                by_name=later.random() < config.by_name,
+                retry_at=later.randint(0, 3) if later.random() < config.retrying else None,
             )
             when = rng.uniform(0, config.window * 0.6)
             scheduler.at(when, lambda m=message: self._arrive(m))
@@ -386,11 +424,44 @@ class World:
     def _arrive(self, message: Message) -> None:
         self.versions[message.key] += 1
         message.version = self.versions[message.key]
+        if self.config.scope != "run" and not message.by_name and not self._claim_send(message):
+            return
         if self.config.stamped:
             message.as_of = runtime.wall()  # as the producer's apply_async stamps it
         self.arrived[message.task_id] = (self.scheduler.now, message.key, message.version)
         self.note(f"publish {message.task_id} {message.key} v{message.version}")
         self._publish(message, 0.0)
+
+    def _claim_send(self, message: Message) -> bool:
+        """``apply_async`` under ``scope="enqueue"``/``"both"``, as ExclusiveTask's: the
+        call claims its key's enqueue mark (the producer reaches the store without
+        faults). False: refused, nothing sent. Checks that a send is refused only for a
+        call not over yet, and accepted only while no other call sent this way is."""
+        key, task_id = message.key, message.task_id
+        queued = enqueue.claim(_Direct(self.store), TASK, key, task_id, 3600.0)
+        live = self.live.setdefault(key, set())
+        if queued is None:
+            others = sorted(live - {task_id})
+            if others and not self._mark_said(key):
+                raise Violation(
+                    f"{task_id} was sent for {key!r} while {', '.join(others)} was queued or "
+                    "running: its enqueue mark was gone, nothing said why"
+                )
+            live.add(task_id)
+            return True
+        self.note(f"send of {task_id} ({key} v{message.version}) refused: {queued} is queued")
+        self.refused[task_id] = (self.scheduler.now, key, queued)
+        in_hand = any(m.task_id == queued for m in self.running.values())
+        if queued not in live and not in_hand and not self._mark_said(key):
+            raise Violation(
+                f"a send for {key!r} was refused in favour of {queued}, which was over: "
+                "the new call was dropped, nothing said why (its enqueue mark outlived it)"
+            )
+        return False
+
+    def _mark_said(self, key: str) -> bool:
+        """Whether the library said that ``key``'s enqueue mark was left to expire."""
+        return any(f"enqueue mark of {key!r} left to expire" in line for line in self.warnings)
 
     # --- the broker --------------------------------------------------------------------
 
@@ -491,17 +562,22 @@ class World:
             as_of=message.as_of,
         )
         handler = SimOutcomes(self, message)
+        keeps_mark = False
         try:
-            outcome = attempt.run(call, host_for(config), self._body)
-            outcome.carry_out(handler)
-        except Killed:
-            raise
-        except LeaseLost as exc:
-            self._end(message, "failed", type(exc).__name__)
-            self._ack_at_end(message)
-        except ExclusiveError as exc:
-            self._end(message, "failed", type(exc).__name__)
-            self._ack_at_end(message)
+            try:
+                outcome = attempt.run(call, host_for(config), self._body)
+                keeps_mark = enqueue.keeps_mark(outcome)
+                outcome.carry_out(handler)
+            except Retry:
+                keeps_mark = True  # the same task id comes again
+                self._end(message, "retried")
+                self._ack(message)
+            except (LeaseLost, ExclusiveError) as exc:
+                self._end(message, "failed", type(exc).__name__)
+                self._ack_at_end(message)
+            if config.scope != "run" and not keeps_mark:
+                # As the call leaves its task's __call__ (execution._enter).
+                enqueue.clear(backend, message.key, message.task_id)
         finally:
             if process.alive:  # a dead one's call is its worker's to end
                 self.running.pop(process.pid, None)
@@ -529,8 +605,11 @@ class World:
             f"body {task_id} v{version} starts, token {getattr(lease, 'fencing_token', None)}"
         )
         steps = max(1, int(duration / 0.25))
+        message = self.running.get(self.scheduler.running_process().pid)
         try:
-            for _ in range(steps):
+            for step in range(steps):
+                if message is not None and message.retry_at == step and message.retries < 2:
+                    self._retry(message)
                 if self.config.stubborn:
                     # A body that swallows the interrupt (a broad except): only the kill
                     # after its grace stops it.
@@ -549,7 +628,47 @@ class World:
             body.ended = self.scheduler.now
             self.note(f"body {task_id} v{version} ends: {body.how}")
 
+    def _retry(self, message: Message) -> None:
+        """The body calls ``retry()``, as ExclusiveTask's ``retry`` and ``apply_async``
+        carry it out: the attempt ends and its lease goes back as the new message (the
+        next of its retries, with the pending rerun's arguments if it runs as one) goes
+        out through apply_async; then Retry leaves the body."""
+        current = attempt.current()
+        assert current is not None
+        again = Message(**{**message.__dict__})
+        again.retries += 1
+        if current.arguments is not None:
+            again.arguments = decode_call(current.arguments)
+        current.handing_off = True
+        try:
+            body = next(b for b in reversed(self.bodies) if b.task_id == message.task_id)
+            body.handed_off = True  # from here: the release is applied before it returns
+            handed = attempt.hand_off(message.task_id)
+            assert handed is not None
+            self._maybe_killed_handing_off("its lease went back")
+            if self.config.scope != "run":
+                # Sent whatever the mark holds: a retry is the same call going on (and
+                # holds the mark from here if it took it).
+                direct = _Direct(self.store)
+                if enqueue.claim(direct, TASK, message.key, message.task_id, 3600.0) is None:
+                    self.live.setdefault(message.key, set()).add(message.task_id)
+            self.note(f"{message.task_id} retries (r{again.retries})")
+            self._publish(again, 0.5)
+            self._maybe_killed_handing_off("its retry went out")
+            handed.handed_off()
+        finally:
+            current.handing_off = False
+        raise Retry()
+
+    def _maybe_killed_handing_off(self, step: str) -> None:
+        if self.store.faults_on and self.handoff_chance.random() < self.config.handoff_kills:
+            process = self.scheduler.running_process()
+            self.scheduler.kill(process, f"SIGKILL as it retries: {step}")
+            raise Killed
+
     def _end(self, message: Message, kind: str, detail: Any = None) -> None:
+        if kind in TERMINAL or kind == "lost":
+            self.live.get(message.key, set()).discard(message.task_id)
         self.ends.setdefault(message.task_id, []).append((self.scheduler.now, kind, detail))
         self.note(f"{message.task_id} ends: {kind} {detail if detail is not None else ''}")
 
@@ -586,6 +705,8 @@ class World:
             else:
                 self._end(message, "lost", "WorkerLostError")
                 self._ack(message)
+                if config.scope != "run":
+                    enqueue.clear(direct, key, message.task_id)
                 if config.acks_late:
                     marks.mark_finished(direct, key, message.task_id, message.retries, 3600.0)
                 if config.on_duplicate == "rerun":
@@ -650,6 +771,8 @@ class World:
         for body in self.bodies:
             if body.ended is not None or not body.process.alive or body.process.paused:
                 continue
+            if body.handed_off:
+                continue  # it sent itself again (retry()) and gave its lease back: it ends
             lease = body.lease
             if isinstance(lease, HeldLease) and not lease.lost:
                 by_key.setdefault(body.key, []).append(body)
@@ -715,6 +838,17 @@ class World:
             if not ends:
                 raise Violation(f"{task_id} ({key} v{version}) reached no end")
             final = {kind for _, kind, _ in ends if kind in TERMINAL}
+            if (
+                not final
+                and not any(kind == "lost" for _, kind, _ in ends)
+                and not self._gave_up_unsaid(task_id)
+                and not self._over_unseen(task_id, key)
+            ):
+                raise Violation(
+                    f"{task_id} ({key} v{version}) reached no defined end, and nothing "
+                    "of it is queued: "
+                    + ", ".join(f"{kind} at {when:.3f}" for when, kind, _ in ends)
+                )
             if not final and self._gave_up_unsaid(task_id):
                 raise Violation(
                     f"{task_id} ({key} v{version}) gave up, its process died before it "
@@ -808,6 +942,18 @@ class World:
             return False
         return not any(f"[{task_id}] gives up after" in line for line in self.warnings)
 
+    def _over_unseen(self, task_id: str, key: str) -> bool:
+        """Whether the call ``task_id`` is over without an end its host saw: its process
+        died once its attempt had ended (a run's end recorded, a duplicate's end as
+        skipped or coalesced recorded, or a warning said), and each copy found the
+        record and was dropped."""
+        mark = self.store.memory.read_mark(marks.finished_key(key, task_id), marks.DONE)
+        return (
+            (mark is not None and int(mark) < 0)
+            or any(f"[{task_id}]" in line for line in self.warnings)
+            or any(b.task_id == task_id and self._ended(b) for b in self.bodies)
+        )
+
     def _ended(self, body: Body) -> bool:
         """Whether ``body`` ran to its end and that end was recorded: its call's outcome
         reached the host, or the store applied the release of its lease (which carries
@@ -836,6 +982,11 @@ class World:
             return depth == 0 or any(t >= since for t in self.store.grants_of.get(task_id, ()))
         into = [(when, detail) for when, kind, detail in ends if kind == "coalesced"]
         return depth < 20 and any(self._failed_on_the_way(t, when, depth + 1) for when, t in into)
+
+
+class Retry(Exception):
+    """Celery's ``Retry``: raised by ``retry()``, it leaves the body; the call goes on as
+    the message it sent."""
 
 
 class _TraceHandler(logging.Handler):
@@ -911,10 +1062,19 @@ class SimOutcomes(outcomes.OutcomeHandler):
         self._done("ran", outcome.result)
 
     def handle_skipped(self, outcome: outcomes.Skipped) -> Any:
+        self._not_itself(outcome.holder_task_id)
         self._done("skipped", outcome.holder_task_id)
 
     def handle_coalesced(self, outcome: outcomes.Coalesced) -> Any:
+        self._not_itself(outcome.rerun_task_id)
         self._done("coalesced", outcome.rerun_task_id)
+
+    def _not_itself(self, other: Optional[str]) -> None:
+        if other == self.message.task_id:
+            raise Violation(
+                f"{other} was ended as a duplicate of itself: an earlier attempt of it "
+                "still held its key"
+            )
 
     def handle_requeue(self, outcome: outcomes.Requeue) -> Any:
         world, message = self.world, self.message

@@ -1,0 +1,65 @@
+"""Deduplication at send (``scope="enqueue"``/``"both"``): one call of a key queued or
+running at a time.
+
+The producer claims the key's *enqueue mark* for the call it is about to send
+(:func:`claim`); a send that finds the mark held by another call sends nothing and
+hands back that call's id. The call clears the mark when it is over for good
+(:func:`clear`), and only then: not when its message goes back to the queue under its
+own id (requeued, retried, set aside, handed back to the broker), which
+:func:`keeps_mark` decides from the attempt's outcome. A mark whose call was lost
+without a word lapses after ``enqueue_ttl``.
+
+The run-time lease is taken as well, always: producers that bypass the mark (a
+``send_task`` by name, beat) stay excluded at run time.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from ..backends import Backend
+from ..core import marks, outcomes
+from ..errors import BackendUnavailable
+
+logger = logging.getLogger("celery_exclusive")
+
+#: The outcomes after which the call's message comes again under its id (or is a copy
+#: of a delivery that goes on, or went on, elsewhere): its mark stays for that one.
+_COMES_AGAIN = (outcomes.Requeue, outcomes.SetAside, outcomes.Dropped, outcomes.Redelivered)
+
+
+def claim(backend: Backend, name: str, key: str, task_id: str, ttl: float) -> Optional[str]:
+    """Claim the enqueue mark of ``key`` for the call ``task_id`` about to be sent.
+
+    Returns None to send it (the mark is its own now, or the store did not answer: the
+    run-time lease still applies, and a WARNING says so), or the id of the call already
+    queued or running for ``key``: send nothing.
+    """
+    try:
+        queued = marks.claim_mark(backend, key, marks.QUEUED, task_id, ttl)
+    except BackendUnavailable as exc:
+        logger.warning(
+            "%s: cannot check whether %r is already queued, sending it (the run-time "
+            "lease still applies): %s",
+            name,
+            key,
+            exc,
+        )
+        return None
+    return None if queued == task_id else queued
+
+
+def keeps_mark(outcome: outcomes.Outcome) -> bool:
+    """Whether the call's enqueue mark stays after its attempt ended in ``outcome``:
+    its message comes again under its id (a requeue, a copy set aside, a message handed
+    back to the broker), or was a copy of a delivery the mark is the other's to clear."""
+    return isinstance(outcome, _COMES_AGAIN)
+
+
+def clear(backend: Backend, key: str, task_id: str) -> None:
+    """The call ``task_id`` is over: clear the enqueue mark of ``key`` if it is its own."""
+    try:
+        marks.clear_mark(backend, key, marks.QUEUED, task_id)
+    except BackendUnavailable as exc:
+        logger.warning("enqueue mark of %r left to expire (exclusive_enqueue_ttl): %s", key, exc)
