@@ -36,13 +36,12 @@ two loses that one tick rather than letting the next leader send it a second tim
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Optional
 
 from celery.beat import ScheduleEntry, Scheduler
 from celery.utils.imports import load_extension_class_names, symbol_by_name
 
-from .. import telemetry
+from .. import runtime, telemetry
 from ..backends import Backend, backend_for_url
 from ..celery import settings as app_settings
 from ..celery import startup
@@ -167,14 +166,14 @@ class LeaderScheduler(Scheduler):
         how long beat should sleep before the next tick."""
         if self._store_down:
             return self.retry_interval
-        started = time.monotonic()
+        started = runtime.monotonic()
         try:
             self.backend.wait(self.lease_key, self.retry_interval)
         except BackendUnavailable as exc:
             self._store_failed(exc)
             return self.retry_interval
         # A lease that looked free at once but went to another beat: do not spin.
-        return max(0.0, MIN_RETRY - (time.monotonic() - started))
+        return max(0.0, MIN_RETRY - (runtime.monotonic() - started))
 
     def _leading_now(self) -> bool:
         return self.lease is not None and not self.lease.lost
@@ -200,7 +199,7 @@ class LeaderScheduler(Scheduler):
         return True
 
     def _try_to_lead(self) -> None:
-        started = time.monotonic()
+        started = runtime.monotonic()
         try:
             lease = acquire(
                 self.backend,
@@ -230,7 +229,7 @@ class LeaderScheduler(Scheduler):
         self._standing_by = False
         self._heap = None  # ordered afresh from the entries as the records left them
         telemetry.beat_takeover(
-            self.trace, lease.fencing_token, resumed, time.monotonic() - started
+            self.trace, lease.fencing_token, resumed, runtime.monotonic() - started
         )
         logger.info(
             "beat: leading as %s fencing_token=%s; caught up %d %s with the records",
@@ -356,7 +355,7 @@ class LeaderScheduler(Scheduler):
         advanced = reserved[1] if reserved is not None and reserved[0] is entry else None
         token = self.lease.fencing_token if self.lease is not None else 0
         with telemetry.beat_send(entry.name, entry.task, token) as sending:
-            claimed = self._claim(entry, advanced)
+            claimed = self._claim(entry, advanced) and self._still_leading(entry)
             sending.set("exclusive.beat.sent", claimed)
             if claimed:
                 self.inner.apply_entry(entry, producer=producer)
@@ -380,7 +379,10 @@ class LeaderScheduler(Scheduler):
             if recorded is not None and not self._admits(recorded, entry, advanced):
                 return False
             run = SentRun(
-                last_run_at=as_utc(advanced.last_run_at if advanced else entry.default_now()),
+                # The moment the record admitted it (not the earlier one the scheduler
+                # reserved it at): runs recorded in turn are never closer than the
+                # schedule allows, however late the store's answer came.
+                last_run_at=as_utc(entry.default_now()),
                 total_run_count=max(
                     (recorded.total_run_count or 0) + 1 if recorded else 0,
                     total_run_count_of(advanced) if advanced else total_run_count_of(entry) + 1,
@@ -398,8 +400,24 @@ class LeaderScheduler(Scheduler):
             self._step_down()
             return False
         if advanced is not None:
-            adopt(advanced, total_run_count=run.total_run_count)
+            adopt(advanced, run.last_run_at, run.total_run_count)
         return True
+
+    def _still_leading(self, entry: ScheduleEntry) -> bool:
+        """Whether the lease is still held as the send goes out, its record written. A
+        beat held up past the lease's deadline since (stopped, or its store's answer
+        late) may have been followed by another, which read the record and sent the
+        ticks after it: this one is then lost, as a beat killed before its send loses
+        it, rather than sent late, after later ones."""
+        if self._leading_now():
+            return True
+        logger.error(
+            "beat: not sending %s: this beat was held up past its lease's deadline after "
+            "recording it; the tick is lost rather than sent late, after another beat's",
+            entry.name,
+        )
+        self._step_down()
+        return False
 
     def _admits(
         self, recorded: SentRun, entry: ScheduleEntry, advanced: Optional[ScheduleEntry]

@@ -4,8 +4,9 @@ proof that the simulation catches every one within the CI seed budget.
 ``python -m tests.simulation.mutants`` applies each patch, one at a time, to a copy of
 the package, runs the CI seeds against it in a process of its own (so the copy is the
 ``celery_exclusive`` it imports), and reports which seed caught it, and how soon.
-``--only NAME`` runs one; ``--seeds N`` sets the budget. Exit status 1 if any bug was
-not caught.
+``--only NAME`` runs one; ``--seeds N`` sets the budget (by default CI's: its seeds of
+the workers' worlds, or of beat's for a bug of the beat leader). Exit status 1 if any
+bug was not caught.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ class Mutant:
     #: The world (its faults' version) it is explored in: the one that catches it
     #: within the CI seed budget.
     faults: int = FAULTS
+    #: Explored in the beat leader's worlds (tests/simulation/beat.py).
+    beat: bool = False
 
 
 MUTANTS = [
@@ -263,11 +266,45 @@ MUTANTS = [
         "    return backend.swap_mark(key, kind, value, None, 0)",
         "    return backend.swap_mark(key, kind, backend.read_mark(key, kind), None, 0)",
     ),
+    Mutant(
+        "beat-sends-whatever-the-claim-says",
+        "beat sends a due tick even when the record refused it or could not be written",
+        "beat/scheduler.py",
+        "            if claimed:\n                self.inner.apply_entry(",
+        "            if True:\n                self.inner.apply_entry(",
+        beat=True,
+    ),
+    Mutant(
+        "beat-sends-after-its-lease-lapsed",
+        "a beat held up past its lease's deadline after recording a tick still sends it",
+        "beat/scheduler.py",
+        "        if self._leading_now():\n            return True",
+        "        if True:\n            return True",
+        beat=True,
+    ),
+    Mutant(
+        "beat-admits-every-tick",
+        "the leader sends what its scheduler says is due, whatever the record shows",
+        "beat/scheduler.py",
+        "        return not sent",
+        "        return True",
+        beat=True,
+    ),
+    Mutant(
+        "beat-records-the-reserved-time",
+        "a tick's record holds when the scheduler reserved it, not when the record "
+        "admitted it (a late answer from the store in between)",
+        "beat/scheduler.py",
+        "                last_run_at=as_utc(entry.default_now()),",
+        "                last_run_at=as_utc(advanced.last_run_at if advanced else "
+        "entry.default_now()),",
+        beat=True,
+    ),
 ]
 
 
 def run_mutant(
-    mutant: Mutant, seeds: int, first: int = 0, faults: int = FAULTS
+    mutant: Mutant, seeds: int, first: int = 0, faults: Optional[int] = None
 ) -> tuple[Optional[int], float, str]:
     """Apply ``mutant`` to a copy of the package and explore ``seeds`` schedules on it,
     from seed ``first``, in the world of ``faults``: (the first seed that caught it or
@@ -284,7 +321,8 @@ def run_mutant(
         started = time.monotonic()
         done = subprocess.run(
             [sys.executable, "-m", "tests.simulation.run", "--seeds", str(seeds)]
-            + ["--first", str(first), "--faults", str(faults)],
+            + ["--first", str(first), "--faults", str(mutant.faults if faults is None else faults)]
+            + (["--beat"] if mutant.beat else []),
             cwd=work,
             env=env,
             capture_output=True,
@@ -294,27 +332,32 @@ def run_mutant(
     first = done.stdout.splitlines()[0] if done.stdout else done.stderr[-300:]
     if done.returncode == 0:
         return None, took, first
-    seed = int(first.split()[1]) if first.startswith("seed ") else -1
+    said = first.removeprefix("beat ")
+    seed = int(said.split()[1]) if said.startswith("seed ") else -1
     return seed, took, first
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from .test_schedules import CI_SEEDS
+    from .test_schedules import BEAT_SEEDS, CI_SEEDS
 
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--seeds", type=int, default=CI_SEEDS)
+    parser.add_argument(
+        "--seeds", type=int, help=f"the budget (CI's: {CI_SEEDS}, beat's {BEAT_SEEDS})"
+    )
     parser.add_argument("--only", help="run the mutant of this name only")
     args = parser.parse_args(argv)
     chosen = [m for m in MUTANTS if args.only in (None, m.name)]
     missed = 0
-    print(f"{'seeded bug':38} {'caught by seed':>14} {'seconds':>8}  what the simulation said")
+    print(f"{'seeded bug':38} {'world':>5} {'caught by seed':>14} {'seconds':>8}  what it said")
     for mutant in chosen:
-        seed, took, said = run_mutant(mutant, args.seeds, faults=mutant.faults)
+        budget = args.seeds or (BEAT_SEEDS if mutant.beat else CI_SEEDS)
+        seed, took, said = run_mutant(mutant, budget)
         missed += seed is None
-        caught = "NOT CAUGHT" if seed is None else str(seed)
-        print(f"{mutant.name:38} {caught:>14} {took:8.1f}  {said[:110]}")
+        caught = f"NOT in {budget}" if seed is None else str(seed)
+        world = "beat" if mutant.beat else str(mutant.faults)
+        print(f"{mutant.name:38} {world:>5} {caught:>14} {took:8.1f}  {said[:100]}")
     caught = len(chosen) - missed
-    print(f"caught {caught} of {len(chosen)} within {args.seeds} seeds")
+    print(f"caught {caught} of {len(chosen)} within the CI budget")
     return 1 if missed else 0
 
 

@@ -1,5 +1,7 @@
 """Run schedules: ``python -m tests.simulation.run --seed N`` replays one with its whole
-trace; ``--seeds N`` (from ``--first``) explores many and stops at the first failure."""
+trace; ``--seeds N`` (from ``--first``) explores many and stops at the first failure;
+``--beat`` runs the beat leader's worlds (tests/simulation/beat.py) instead of the
+workers'."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import time
 import traceback
 from typing import Optional
 
+from .beat import run_beat_seed
 from .world import FAULTS, World
 
 
@@ -43,14 +46,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument(
         "--faults", type=int, default=FAULTS, help="the world's faults as of this version"
     )
+    parser.add_argument("--beat", action="store_true", help="explore the beat leader's worlds")
     args = parser.parse_args(argv)
+
+    def run(seed: int, full_trace: bool = False) -> Optional[str]:
+        if args.beat:
+            return run_beat_seed(seed, full_trace=full_trace)
+        return run_seed(seed, full_trace=full_trace, faults=args.faults)
+
     if args.seed is not None:
-        failure = run_seed(args.seed, full_trace=True, faults=args.faults)
+        failure = run(args.seed, full_trace=True)
         print(failure or f"seed {args.seed}: every invariant held")
         return 1 if failure else 0
     started = time.monotonic()
     for seed in range(args.first, args.first + args.seeds):
-        failure = run_seed(seed, faults=args.faults)
+        failure = run(seed)
         if failure:
             print(failure)
             return 1

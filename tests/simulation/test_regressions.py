@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import pytest
 
+from .beat import run_beat_seed
 from .mutants import MUTANTS, PACKAGE, run_mutant
 from .run import run_seed
 
-#: (the seeded bug of mutants.py, the first seed that caught it, the world's faults it
-#: was found in (see tests/simulation/world.py's FAULTS), what was fixed).
+#: (the seeded bug of mutants.py, the first seed that caught it, the world it was found
+#: in: the version of the workers' faults (tests/simulation/world.py's FAULTS) or
+#: "beat" (tests/simulation/beat.py), what was fixed).
 FOUND = [
     (
         "older-change-replaces-newer",
@@ -95,6 +97,20 @@ FOUND = [
         "a call whose message the broker takes back keeps its enqueue mark: no second "
         "call of its key is sent while it is queued again",
     ),
+    (
+        "beat-sends-after-its-lease-lapsed",
+        208,
+        "beat",
+        "a beat held up past its lease's deadline after recording a tick does not send "
+        "it late, after the ticks the next leader sent",
+    ),
+    (
+        "beat-records-the-reserved-time",
+        17,
+        "beat",
+        "a tick's record holds when the record admitted it: runs recorded in turn are "
+        "never closer than the schedule allows, however late the store answered",
+    ),
 ]
 
 MUTANT = {mutant.name: mutant for mutant in MUTANTS}
@@ -102,13 +118,14 @@ MUTANT = {mutant.name: mutant for mutant in MUTANTS}
 
 @pytest.mark.parametrize(("bug", "seed", "faults", "fixed"), FOUND, ids=[f[0] for f in FOUND])
 def test_the_schedule_that_found_a_bug_holds_every_invariant(bug, seed, faults, fixed):
-    failure = run_seed(seed, faults=faults)
+    failure = run_beat_seed(seed) if faults == "beat" else run_seed(seed, faults=faults)
     assert failure is None, f"{bug} is back ({fixed}):\n{failure}"
 
 
 @pytest.mark.parametrize(("bug", "seed", "faults", "fixed"), FOUND, ids=[f[0] for f in FOUND])
 def test_the_schedule_that_found_a_bug_still_finds_it_when_it_is_put_back(bug, seed, faults, fixed):
-    caught, _, said = run_mutant(MUTANT[bug], seeds=1, first=seed, faults=faults)
+    world = None if faults == "beat" else faults
+    caught, _, said = run_mutant(MUTANT[bug], seeds=1, first=seed, faults=world)
     assert caught == seed, (
         f"seed {seed} no longer reaches {bug!r} ({said}); find its first seed with "
         f"python -m tests.simulation.mutants --only {bug} and pin it in FOUND"
