@@ -230,6 +230,15 @@ MUTANTS = [
         faults=1,
     ),
     Mutant(
+        "unanswered-end-not-recorded-again",
+        "when the release that carries the record of the end goes unanswered, the record "
+        "is not written again on its own",
+        "engine/attempt.py",
+        "                try:\n                    self._mark_finished(lease)\n"
+        "                except ExclusiveError:",
+        "                try:\n                    pass\n                except ExclusiveError:",
+    ),
+    Mutant(
         "own-orphan-grant-skips-the-call",
         "a call meeting the grant of its own earlier attempt (its answer lost) is skipped "
         "as a duplicate of itself",
