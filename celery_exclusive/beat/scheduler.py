@@ -379,10 +379,7 @@ class LeaderScheduler(Scheduler):
             if recorded is not None and not self._admits(recorded, entry, advanced):
                 return False
             run = SentRun(
-                # The moment the record admitted it (not the earlier one the scheduler
-                # reserved it at): runs recorded in turn are never closer than the
-                # schedule allows, however late the store's answer came.
-                last_run_at=as_utc(entry.default_now()),
+                last_run_at=as_utc(advanced.last_run_at if advanced else entry.default_now()),
                 total_run_count=max(
                     (recorded.total_run_count or 0) + 1 if recorded else 0,
                     total_run_count_of(advanced) if advanced else total_run_count_of(entry) + 1,
@@ -400,7 +397,7 @@ class LeaderScheduler(Scheduler):
             self._step_down()
             return False
         if advanced is not None:
-            adopt(advanced, run.last_run_at, run.total_run_count)
+            adopt(advanced, total_run_count=run.total_run_count)
         return True
 
     def _still_leading(self, entry: ScheduleEntry) -> bool:

@@ -6,9 +6,10 @@ paused past the lease's ttl, and cut off from the store, faults drawn from a see
 
 Only the send is simulated: the wrapped scheduler (Celery's in-memory
 ``celery.beat.Scheduler``) hands each due tick to :meth:`BeatWorld.sent` instead of a
-broker. Checked: no entry is sent twice for one tick (two sends of an entry are never
-closer than its interval, by the times its record gives them) and the sends' fencing
-tokens never go back; once the faults end, every due tick is sent.
+broker. Checked: no entry is sent twice for one tick or out of its turn (each send's
+run, as its record gives it, is later than the last one sent, and an interval before
+the send at least) and the sends' fencing tokens never go back; once the faults end,
+every due tick is sent.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from celery_exclusive.core.deadline import keeper
 from celery_exclusive.core.feed import feed
 from celery_exclusive.core.heartbeat import heartbeat
 
-from .scheduler import Scheduler
+from .scheduler import EPOCH, Scheduler
 from .store import LinkedStore, LinkFaults, SharedStore, Violation
 
 #: The entries every world schedules: name -> interval (seconds).
@@ -279,8 +280,10 @@ class BeatWorld:
         if not alive:
             return
         leader = self.leaders[self.rng.choice(alive).pid]
-        for entry in leader.inner.schedule.values():
-            entry.last_run_at -= timedelta(seconds=periods * ENTRIES[entry.name])
+        schedule = leader.inner.schedule
+        for name, entry in list(schedule.items()):  # new entries, as a reload builds them
+            older = entry.last_run_at - timedelta(seconds=periods * ENTRIES[name])
+            schedule[name] = entry.__class__(**dict(entry, last_run_at=older))
         leader._heap = None
         self.note(f"a beat's scheduler reloads entries {periods} intervals stale")
 
@@ -332,14 +335,17 @@ class BeatWorld:
         if not earlier:
             return
         last = earlier[-1]
-        every = timedelta(seconds=ENTRIES[entry.name])
-        if send.ran_at - last.ran_at < every - timedelta(milliseconds=1):
-            said = "twice for one tick" if send.ran_at == last.ran_at else "out of its order"
+        every = ENTRIES[entry.name]
+        # A run is the tick the scheduler reserved (its time is the tick's identity);
+        # the record admits the next one once the entry's interval has passed since.
+        sent_at = EPOCH + send.at
+        if send.ran_at <= last.ran_at or sent_at - last.ran_at.timestamp() < every - 1e-3:
+            said = "twice for one tick" if send.ran_at == last.ran_at else "out of its turn"
             raise Violation(
                 f"{entry.name} sent {said}: by {last.beat} at {last.at:.3f} (its run of "
                 f"{last.ran_at:%H:%M:%S.%f}, token {last.token}), then by {send.beat} at "
                 f"{send.at:.3f} (its run of {send.ran_at:%H:%M:%S.%f}, token {send.token}): "
-                f"runs sent in turn are {ENTRIES[entry.name]:g}s apart at least"
+                f"a run is sent after the last one, and {every:g}s after it at least"
             )
         if send.token < last.token:
             raise Violation(

@@ -299,16 +299,6 @@ MUTANTS = [
         "        return True",
         beat=True,
     ),
-    Mutant(
-        "beat-records-the-reserved-time",
-        "a tick's record holds when the scheduler reserved it, not when the record "
-        "admitted it (a late answer from the store in between)",
-        "beat/scheduler.py",
-        "                last_run_at=as_utc(entry.default_now()),",
-        "                last_run_at=as_utc(advanced.last_run_at if advanced else "
-        "entry.default_now()),",
-        beat=True,
-    ),
 ]
 
 

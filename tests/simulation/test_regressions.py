@@ -104,13 +104,6 @@ FOUND = [
         "a beat held up past its lease's deadline after recording a tick does not send "
         "it late, after the ticks the next leader sent",
     ),
-    (
-        "beat-records-the-reserved-time",
-        17,
-        "beat",
-        "a tick's record holds when the record admitted it: runs recorded in turn are "
-        "never closer than the schedule allows, however late the store answered",
-    ),
 ]
 
 MUTANT = {mutant.name: mutant for mutant in MUTANTS}
