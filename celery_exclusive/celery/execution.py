@@ -132,8 +132,8 @@ def _call_exclusive(
     mark: Optional[_EnqueueMark] = None,
 ) -> tuple[Any, bool]:
     """Run the call: what it returns, and whether its result was stored with the
-    release of its lease (which cleared its enqueue mark too). ``mark`` learns, before
-    the outcome is carried out, whether the outcome keeps the call's enqueue mark."""
+    release of its lease (which cleared its enqueue mark too). ``mark`` learns, once the
+    outcome was carried out, whether it keeps the call's enqueue mark."""
     if request.called_directly:
         holding = attempt.held_here(key)
         if holding is not None:
@@ -156,10 +156,15 @@ def _call_exclusive(
         as_of=stamp_of(request),
     )
     outcome = attempt.run(the_call, host_of(task, request, settings), lambda a, k: body(*a, **k))
-    if mark is not None:
-        mark.settled = enqueue.keeps_mark(outcome)
     handler = CeleryOutcomes(task)
-    return outcome.carry_out(handler), handler.result_written
+    try:
+        return outcome.carry_out(handler), handler.result_written
+    except (Retry, Ignore, Reject):
+        # Carried out: the message comes again under its id where the outcome says so
+        # (a send that failed instead leaves the mark to be cleared: nothing comes).
+        if mark is not None:
+            mark.settled = enqueue.keeps_mark(outcome)
+        raise
 
 
 def host_of(task: Any, request: Any = None, settings: Any = None) -> attempt.Host:
