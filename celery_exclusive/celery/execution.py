@@ -357,9 +357,10 @@ class CeleryOutcomes(outcomes.OutcomeHandler):
         headers[SET_ASIDE_HEADER] = True
         if outcome.as_of is not None:
             headers[AS_OF_HEADER] = outcome.as_of
-        self.task.signature_from_request(
-            request, countdown=outcome.countdown, headers=headers, retries=request.retries
-        ).apply_async()
+        with enqueue.going_on():
+            self.task.signature_from_request(
+                request, countdown=outcome.countdown, headers=headers, retries=request.retries
+            ).apply_async()
         logger.info(
             "redelivered copy set aside key=%s task_id=%s: the first delivery still runs; "
             "the copy comes back in %.2fs in case it dies",
@@ -420,7 +421,8 @@ def send_again(task: Any, request: Any, outcome: outcomes.Requeue) -> Any:
         headers=headers,
         retries=request.retries,
     )
-    signature.apply_async()
+    with enqueue.going_on():
+        signature.apply_async()
     logger.info(
         "%s key=%s task_id=%s countdown=%.2fs: %s",
         _REQUEUED_AS[outcome.cause],
@@ -439,7 +441,8 @@ def send_owed_run(task: Any, task_id: Optional[str], owed: outcomes.OwedRun, why
     headers: dict[str, Any] = {}
     if owed.as_of is not None:
         headers[AS_OF_HEADER] = owed.as_of
-    sent = task.apply_async(owed.args, owed.kwargs, headers=headers)
+    with enqueue.going_on():
+        sent = task.apply_async(owed.args, owed.kwargs, headers=headers)
     logger.warning(
         "pending rerun %s[%s] %s; its run goes to %s (its duplicates are owed it)",
         task.name,

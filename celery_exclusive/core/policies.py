@@ -233,11 +233,12 @@ def claim(
         finished = marks.finished_mark(backend, key, task_id)
         if marks.ended(finished, retries, resumed):
             return Dropped(key)
-    if task_id and requeues and task_id in holding:
-        # Not a copy (its message comes once), yet sent again by the library and its own
-        # id holds the key: the grant of an earlier attempt of it whose answer never
-        # reached it. It is no duplicate of itself: it comes back once that grant lapses,
-        # whatever the policy. (A new message reusing a running call's id is skipped.)
+    if task_id and (requeues or retries or resumed) and task_id in holding:
+        # Not a copy (its message comes once), yet sent again (requeued, retried) and its
+        # own id holds the key: the grant of an earlier attempt of it whose answer never
+        # reached it, or whose release went unanswered. It is no duplicate of itself: it
+        # comes back once that grant lapses, whatever the policy. (A new message reusing
+        # a running call's id is skipped.)
         settings = replace(settings, on_duplicate="requeue")
     described = None if holding else holders.first_described(infos)
     holder = next(iter(holding), None)

@@ -15,7 +15,10 @@ The run-time lease is taken as well, always: producers that bypass the mark (a
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Optional
 
 from ..backends import Backend
@@ -29,13 +32,30 @@ logger = logging.getLogger("celery_exclusive")
 _COMES_AGAIN = (outcomes.Requeue, outcomes.SetAside, outcomes.Dropped, outcomes.Redelivered)
 
 
+_going_on: ContextVar[bool] = ContextVar("exclusive_going_on", default=False)
+
+
+@contextlib.contextmanager
+def going_on() -> Iterator[None]:
+    """Sends made inside are of calls that go on (the library's own: a requeue, a copy
+    set aside, the run a pending rerun owed; a retry): never refused, they take the
+    mark only where it is free."""
+    token = _going_on.set(True)
+    try:
+        yield
+    finally:
+        _going_on.reset(token)
+
+
 def claim(backend: Backend, name: str, key: str, task_id: str, ttl: float) -> Optional[str]:
     """Claim the enqueue mark of ``key`` for the call ``task_id`` about to be sent.
 
-    Returns None to send it (the mark is its own now, or the store did not answer: the
-    run-time lease still applies, and a WARNING says so), or the id of the call already
-    queued or running for ``key``: send nothing.
+    Returns None to send it (the mark is its own now; the call goes on, see
+    :func:`going_on`; or the store did not answer: the run-time lease still applies,
+    and a WARNING says so), or the id of the call already queued or running for
+    ``key``: send nothing.
     """
+    going_on = _going_on.get()
     try:
         queued = marks.claim_mark(backend, key, marks.QUEUED, task_id, ttl)
     except BackendUnavailable as exc:
@@ -47,7 +67,7 @@ def claim(backend: Backend, name: str, key: str, task_id: str, ttl: float) -> Op
             exc,
         )
         return None
-    return None if queued == task_id else queued
+    return None if queued == task_id or going_on else queued
 
 
 def keeps_mark(outcome: outcomes.Outcome) -> bool:

@@ -247,6 +247,22 @@ MUTANTS = [
         "        pass\n    described",
     ),
     Mutant(
+        "retried-call-skips-itself",
+        "a retry meeting the grant of its own earlier attempt (its release unanswered) "
+        "is skipped as a duplicate of itself",
+        "core/policies.py",
+        "    if task_id and (requeues or retries or resumed) and task_id in holding:",
+        "    if task_id and requeues and task_id in holding:",
+    ),
+    Mutant(
+        "library-sends-refused-at-enqueue",
+        "a requeue, a copy set aside or an owed run is refused at enqueue when another "
+        "call holds the key's enqueue mark",
+        "engine/enqueue.py",
+        "    return None if queued == task_id or going_on else queued",
+        "    return None if queued == task_id else queued",
+    ),
+    Mutant(
         "retry-recorded-before-it-is-sent",
         "retry() records the attempt's end with its release, before the message goes out",
         "engine/attempt.py",

@@ -98,6 +98,20 @@ FOUND = [
         "call of its key is sent while it is queued again",
     ),
     (
+        "retried-call-skips-itself",
+        897,
+        3,
+        "a retry whose earlier attempt's release went unanswered meets that grant as its "
+        "own, and is requeued until it lapses rather than skipped as its own duplicate",
+    ),
+    (
+        "library-sends-refused-at-enqueue",
+        25,
+        3,
+        "a call the library sends again (a requeue, a copy set aside, an owed run) is "
+        "never refused at enqueue: it goes on, taking the enqueue mark only if free",
+    ),
+    (
         "beat-sends-after-its-lease-lapsed",
         208,
         "beat",

@@ -730,7 +730,22 @@ class World:
         )
         self.owed[new.task_id] = (self.scheduler.now, key, version)
         self.note(f"owed rerun of {message.task_id} goes to {new.task_id}")
-        self._publish(new, 0.0)
+        self._send_again(new, 0.0)
+
+    def _send_again(self, message: Message, countdown: float) -> None:
+        """A message the library sends itself (a requeue, a copy set aside, the run a
+        pending rerun owed): through the task's apply_async, as the host sends it, which
+        under ``scope="enqueue"``/``"both"`` claims the key's enqueue mark as it goes."""
+        if self.config.scope != "run":
+            with enqueue.going_on():
+                direct = _Direct(self.store)
+                queued = enqueue.claim(direct, TASK, message.key, message.task_id, 3600.0)
+            if queued is not None:
+                self.note(f"send of {message.task_id} refused: {queued} is queued")
+                return
+            if direct.read_mark(message.key, marks.QUEUED) == message.task_id:
+                self.live.setdefault(message.key, set()).add(message.task_id)
+        self._publish(message, countdown)
 
     def _free_left(self, direct: Any, message: Message, child: Any) -> None:
         for lease, pid in reaper.leases_on_this_host(
@@ -1087,7 +1102,7 @@ class SimOutcomes(outcomes.OutcomeHandler):
         if outcome.as_of is not None:  # over the header it came with, as send_again does
             again.as_of = outcome.as_of
         world.note(f"{message.task_id} requeued ({outcome.cause}) in {outcome.countdown:.2f}s")
-        world._publish(again, outcome.countdown)
+        world._send_again(again, outcome.countdown)
         world._ack(message)
 
     def handle_gave_up(self, outcome: outcomes.GaveUp) -> Any:
@@ -1109,7 +1124,7 @@ class SimOutcomes(outcomes.OutcomeHandler):
             again.as_of = outcome.as_of
         again.set_aside = True
         world.note(f"copy of {message.task_id} set aside for {outcome.countdown:.2f}s")
-        world._publish(again, outcome.countdown)
+        world._send_again(again, outcome.countdown)
         world._ack(message)
 
     def handle_dropped(self, outcome: outcomes.Dropped) -> Any:

@@ -424,6 +424,17 @@ def enqueued_once(self, key: str, duration: float = 0.0) -> dict:
     bind=True,
     exclusive_key="{key}",
     exclusive_scope="enqueue",
+    exclusive_on_duplicate="requeue",
+)
+def enqueued_requeued(self, key: str, duration: float = 0.0) -> dict:
+    return run(self, key, duration)
+
+
+@app.task(
+    base=ExclusiveTask,
+    bind=True,
+    exclusive_key="{key}",
+    exclusive_scope="enqueue",
     max_retries=5,
 )
 def enqueued_retrying(self, key: str) -> dict:
