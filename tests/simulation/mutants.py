@@ -111,9 +111,6 @@ MUTANTS = [
         "    if redelivery and task_id and (task_id in holding or marks.waiting(backend, key, "
         "task_id)):",
         "    if False:",
-        # In the newest world the copy mostly meets its own grant and is requeued until
-        # the key is free (a call never skips itself), which hides it longer.
-        faults=2,
     ),
     Mutant(
         "take-the-rerun-twice",
