@@ -433,8 +433,8 @@ def test_a_retry_is_sent_while_another_call_holds_the_enqueue_mark(cluster):
 def test_a_call_sent_by_name_and_requeued_is_sent_again_while_another_holds_the_mark(cluster):
     # Its requeue goes out through apply_async while the holder's enqueue mark is taken:
     # the library's own send is the same call going on, never a duplicate to refuse.
-    holder = start_holding(ledger_app.enqueued_requeued, "line", 1.0, cluster)
-    by_name = ledger_app.app.send_task(ledger_app.enqueued_requeued.name, args=("line", 0))
+    holder = start_holding(ledger_app.enqueued_then_requeue, "line", 1.0, cluster)
+    by_name = ledger_app.app.send_task(ledger_app.enqueued_then_requeue.name, args=("line", 0))
     assert by_name.get(timeout=30)["task_id"] == by_name.id
     holder.get(timeout=30)
     assert [e["task_id"] for e in read_ledger(cluster.ledger)] == [holder.id, by_name.id]

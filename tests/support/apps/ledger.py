@@ -426,7 +426,7 @@ def enqueued_once(self, key: str, duration: float = 0.0) -> dict:
     exclusive_scope="enqueue",
     exclusive_on_duplicate="requeue",
 )
-def enqueued_requeued(self, key: str, duration: float = 0.0) -> dict:
+def enqueued_then_requeue(self, key: str, duration: float = 0.0) -> dict:
     return run(self, key, duration)
 
 
