@@ -421,9 +421,10 @@ def test_a_task_that_retries_itself_three_times_completes(cluster):
 
 def test_a_retry_is_sent_while_another_call_holds_the_enqueue_mark(cluster):
     # The call sent by name never held the mark; its retries go out through apply_async
-    # while a later call, due in a few seconds, holds it: a retry is the same call going
-    # on, never a duplicate to refuse (refused, it would stay RETRY for ever).
-    later = ledger_app.enqueued_retrying.apply_async(("marked",), countdown=4)
+    # while a later call, due in a while, holds it: a retry is the same call going on,
+    # never a duplicate to refuse (refused, it would stay RETRY for ever). The later call
+    # is due long after the three retries, however loaded the machine.
+    later = ledger_app.enqueued_retrying.apply_async(("marked",), countdown=10)
     by_name = ledger_app.app.send_task(ledger_app.enqueued_retrying.name, args=("marked",))
     assert by_name.get(timeout=30)["retries"] == 3
     assert later.get(timeout=30)["retries"] == 3
@@ -433,7 +434,7 @@ def test_a_retry_is_sent_while_another_call_holds_the_enqueue_mark(cluster):
 def test_a_call_sent_by_name_and_requeued_is_sent_again_while_another_holds_the_mark(cluster):
     # Its requeue goes out through apply_async while the holder's enqueue mark is taken:
     # the library's own send is the same call going on, never a duplicate to refuse.
-    holder = start_holding(ledger_app.enqueued_then_requeue, "line", 1.0, cluster)
+    holder = start_holding(ledger_app.enqueued_then_requeue, "line", 3.0, cluster)
     by_name = ledger_app.app.send_task(ledger_app.enqueued_then_requeue.name, args=("line", 0))
     assert by_name.get(timeout=30)["task_id"] == by_name.id
     holder.get(timeout=30)
