@@ -215,9 +215,11 @@ class ExclusiveTask(Task):
         # retry() is sending this call again: its lease goes back first, and its
         # attempt is recorded as ended once the message went out.
         handed = attempt.hand_off(task_id)
-        result = self._send(args, kwargs, task_id, handed is not None, options)
-        if handed is not None:
-            handed.handed_off()
+        if handed is None:
+            return self._send(args, kwargs, task_id, options)
+        with enqueue.going_on():  # the same call going on: never refused at enqueue
+            result = self._send(args, kwargs, task_id, options)
+        handed.handed_off()
         return result
 
     def _send(
@@ -225,7 +227,6 @@ class ExclusiveTask(Task):
         args: Optional[Sequence[Any]],
         kwargs: Optional[dict[str, Any]],
         task_id: Optional[str],
-        retrying: bool,
         options: dict[str, Any],
     ) -> Any:
         settings = self.exclusive_settings
@@ -238,7 +239,7 @@ class ExclusiveTask(Task):
         queued = enqueue.claim(
             self.exclusive_backend, self.name, key, task_id, settings.enqueue_ttl
         )
-        if queued is not None and not retrying:
+        if queued is not None:
             logger.info("enqueue deduplicated key=%s: %s is already queued", key, queued)
             signals.duplicate_detected.send(
                 sender=self.name,

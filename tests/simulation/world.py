@@ -646,14 +646,8 @@ class World:
             handed = attempt.hand_off(message.task_id)
             assert handed is not None
             self._maybe_killed_handing_off("its lease went back")
-            if self.config.scope != "run":
-                # Sent whatever the mark holds: a retry is the same call going on (and
-                # holds the mark from here if it took it).
-                direct = _Direct(self.store)
-                if enqueue.claim(direct, TASK, message.key, message.task_id, 3600.0) is None:
-                    self.live.setdefault(message.key, set()).add(message.task_id)
             self.note(f"{message.task_id} retries (r{again.retries})")
-            self._publish(again, 0.5)
+            self._send_again(again, 0.5)  # through apply_async, as the library's sends
             self._maybe_killed_handing_off("its retry went out")
             handed.handed_off()
         finally:
@@ -733,9 +727,10 @@ class World:
         self._send_again(new, 0.0)
 
     def _send_again(self, message: Message, countdown: float) -> None:
-        """A message the library sends itself (a requeue, a copy set aside, the run a
-        pending rerun owed): through the task's apply_async, as the host sends it, which
-        under ``scope="enqueue"``/``"both"`` claims the key's enqueue mark as it goes."""
+        """A message of a call that goes on (a requeue, a copy set aside, the run a
+        pending rerun owed, a retry): through the task's apply_async, as the host sends
+        it, which under ``scope="enqueue"``/``"both"`` claims the key's enqueue mark as
+        it goes, where the mark is free."""
         if self.config.scope != "run":
             with enqueue.going_on():
                 direct = _Direct(self.store)
