@@ -35,6 +35,7 @@ from celery_exclusive.core.heartbeat import heartbeat
 
 from .scheduler import EPOCH, Scheduler
 from .store import LinkedStore, LinkFaults, SharedStore, Violation
+from .world import TraceHandler
 
 #: The entries every world schedules: name -> interval (seconds).
 ENTRIES = {"every-second": 1.0, "every-few": 2.5}
@@ -70,13 +71,7 @@ def draw_beat_config(rng: random.Random) -> BeatConfig:
     faulty = rng.random() < 0.85
     link = LinkFaults()
     if faulty:
-        link = LinkFaults(
-            lose_request=rng.choice([0.0, 0.02, 0.05]),
-            lose_answer=rng.choice([0.0, 0.02, 0.05]),
-            delay=rng.choice([0.0, 0.01, 0.1, ttl / 8]),
-            slow_share=rng.choice([0.0, 0.01, 0.05]),
-            slow=rng.choice([ttl / 2, ttl]),
-        )
+        link = LinkFaults.draw(rng, ttl)
     return BeatConfig(
         beats=rng.choice([1, 2, 2, 3]),
         lease_ttl=ttl,
@@ -115,6 +110,8 @@ class BeatWorld:
         #: Beats asked to stop (SIGTERM), by process id.
         self.stopping: set[int] = set()
         self.violations: list[Violation] = []
+        #: What the library said at WARNING and above.
+        self.warnings: list[str] = []
         #: Each beat process's scheduler, by process id.
         self.leaders: dict[int, _Leader] = {}
         #: Each beat process's client of the store, by process id.
@@ -148,7 +145,7 @@ class BeatWorld:
             self.app = self._app(name)
             self.lease_key = lease_key(self.app, beat_settings(self.app))
             library = logging.getLogger("celery_exclusive")
-            handler = _TraceHandler(self)
+            handler = TraceHandler(self)
             library.addHandler(handler)
             propagate, library.propagate = library.propagate, False
             try:
@@ -398,44 +395,6 @@ class _ByName(ScheduleEntry):
         return self.name < other.name if isinstance(other, ScheduleEntry) else NotImplemented
 
 
-class _TraceHandler(logging.Handler):
-    """The library's log lines, in the trace, at their virtual time."""
-
-    def __init__(self, world: BeatWorld) -> None:
-        super().__init__(logging.DEBUG)
-        self.world = world
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            message = record.getMessage()
-        except Exception:  # a bad format is the library's bug, not the run's
-            message = record.msg
-        self.world.note(f"log {record.levelname}: {message}")
-
-
 class _Leader(LeaderScheduler):
     #: Celery's beat connects its producer to the broker; the world needs none.
     producer = None
-
-
-def run_beat_seed(seed: int, full_trace: bool = False) -> Optional[str]:
-    """Run the beat schedule of ``seed``: None if every invariant held, else what failed,
-    with the trace of the steps that led to it."""
-    import traceback
-
-    world = BeatWorld(seed)
-    if full_trace:
-        world.full_trace = []
-    try:
-        world.run()
-    except Exception as exc:
-        lines = world.full_trace if full_trace else list(world.trace)
-        return (
-            f"beat seed {seed} failed: {type(exc).__name__}: {exc}\n"
-            f"config: {world.config}\n"
-            + "".join(traceback.format_exception(exc)[-6:])
-            + "trace (virtual seconds, who, what):\n"
-            + "\n".join(lines)
-            + f"\nreplay: python -m tests.simulation.run --beat --seed {seed}"
-        )
-    return None

@@ -9,9 +9,9 @@ import argparse
 import sys
 import time
 import traceback
-from typing import Optional
+from typing import Any, Optional
 
-from .beat import run_beat_seed
+from .beat import BeatWorld
 from .world import FAULTS, World
 
 
@@ -19,7 +19,16 @@ def run_seed(seed: int, full_trace: bool = False, faults: int = FAULTS) -> Optio
     """Run the schedule of ``seed`` (in the world of ``faults``, see
     :data:`~.world.FAULTS`): None if every invariant held, else what failed, with the
     trace of the steps that led to it."""
-    world = World(seed, faults=faults)
+    replay = f"--seed {seed}" + ("" if faults == FAULTS else f" --faults {faults}")
+    return _run(World(seed, faults=faults), f"seed {seed}", full_trace, replay)
+
+
+def run_beat_seed(seed: int, full_trace: bool = False) -> Optional[str]:
+    """Run the beat schedule of ``seed`` (tests/simulation/beat.py), as :func:`run_seed`."""
+    return _run(BeatWorld(seed), f"beat seed {seed}", full_trace, f"--beat --seed {seed}")
+
+
+def _run(world: Any, which: str, full_trace: bool, replay: str) -> Optional[str]:
     if full_trace:
         world.full_trace = []
     try:
@@ -27,13 +36,12 @@ def run_seed(seed: int, full_trace: bool = False, faults: int = FAULTS) -> Optio
     except Exception as exc:  # a violation, or a bug the schedule found
         lines = world.full_trace if full_trace else list(world.trace)
         return (
-            f"seed {seed} failed: {type(exc).__name__}: {exc}\n"
+            f"{which} failed: {type(exc).__name__}: {exc}\n"
             f"config: {world.config}\n"
             + "".join(traceback.format_exception(exc)[-6:])
             + "trace (virtual seconds, who, what):\n"
             + "\n".join(lines)
-            + f"\nreplay: python -m tests.simulation.run --seed {seed}"
-            + ("" if faults == FAULTS else f" --faults {faults}")
+            + f"\nreplay: python -m tests.simulation.run {replay}"
         )
     return None
 

@@ -42,6 +42,18 @@ class LinkFaults:
     slow_share: float = 0.0
     slow: float = 0.0
 
+    @classmethod
+    def draw(cls, rng: random.Random, ttl: float) -> LinkFaults:
+        """A misbehaving link for leases of ``ttl``, drawn from ``rng`` (in one order: a
+        world's seeds keep their schedules)."""
+        return cls(
+            lose_request=rng.choice([0.0, 0.02, 0.05]),
+            lose_answer=rng.choice([0.0, 0.02, 0.05]),
+            delay=rng.choice([0.0, 0.01, 0.1, ttl / 8]),
+            slow_share=rng.choice([0.0, 0.01, 0.05]),
+            slow=rng.choice([ttl / 2, ttl]),
+        )
+
 
 class Violation(AssertionError):
     """An invariant of the lease protocol does not hold."""

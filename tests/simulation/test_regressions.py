@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from .beat import run_beat_seed
 from .mutants import MUTANTS, PACKAGE, run_mutant
-from .run import run_seed
+from .run import run_beat_seed, run_seed
 
 #: (the seeded bug of mutants.py, the first seed that caught it, the world it was found
 #: in: the version of the workers' faults (tests/simulation/world.py's FAULTS) or

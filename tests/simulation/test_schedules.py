@@ -17,8 +17,7 @@ import time
 
 import pytest
 
-from .beat import run_beat_seed
-from .run import run_seed
+from .run import run_beat_seed, run_seed
 from .world import FAULTS
 
 #: The seeds CI explores in each world: a few thousand schedules, about half a minute on

@@ -155,13 +155,7 @@ def draw_config(rng) -> Config:
     faulty = rng.random() < 0.8
     link = LinkFaults()
     if faulty:
-        link = LinkFaults(
-            lose_request=rng.choice([0.0, 0.02, 0.05]),
-            lose_answer=rng.choice([0.0, 0.02, 0.05]),
-            delay=rng.choice([0.0, 0.01, 0.1, ttl / 8]),
-            slow_share=rng.choice([0.0, 0.01, 0.05]),
-            slow=rng.choice([ttl / 2, ttl]),
-        )
+        link = LinkFaults.draw(rng, ttl)
     return Config(
         on_duplicate=on_duplicate,
         host=host,
@@ -346,7 +340,7 @@ class World:
             receiver = self._on_loss
             signals.lease_lost.connect(receiver)
             library = logging.getLogger("celery_exclusive")
-            handler = _TraceHandler(self)
+            handler = TraceHandler(self)
             library.addHandler(handler)
             propagate, library.propagate = library.propagate, False
             try:
@@ -999,7 +993,7 @@ class Retry(Exception):
     the message it sent."""
 
 
-class _TraceHandler(logging.Handler):
+class TraceHandler(logging.Handler):
     """The library's log lines, in the trace, at their virtual time."""
 
     def __init__(self, world: World) -> None:
