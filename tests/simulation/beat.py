@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import logging
 import random
-from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any, Optional
+from typing import Any
 
 from celery import Celery
 from celery.beat import ScheduleEntry
@@ -33,9 +32,9 @@ from celery_exclusive.core.deadline import keeper
 from celery_exclusive.core.feed import feed
 from celery_exclusive.core.heartbeat import heartbeat
 
-from .scheduler import EPOCH, Scheduler
+from .scheduler import EPOCH
 from .store import LinkedStore, LinkFaults, SharedStore, Violation
-from .world import TraceHandler
+from .world import Traced, TraceHandler
 
 #: The entries every world schedules: name -> interval (seconds).
 ENTRIES = {"every-second": 1.0, "every-few": 2.5}
@@ -97,33 +96,19 @@ class Send:
     token: int
 
 
-class BeatWorld:
+class BeatWorld(Traced):
     def __init__(self, seed: int, trace_lines: int = 400) -> None:
-        self.seed = seed
-        self.scheduler = Scheduler(seed, self._note)
-        self.rng = self.scheduler.rng
+        super().__init__(seed, trace_lines)
         self.config = draw_beat_config(self.rng)
-        self.trace: deque[str] = deque(maxlen=trace_lines)
-        self.full_trace: Optional[list[str]] = None
         self.sends: list[Send] = []
         self.beats: list[Any] = []
         #: Beats asked to stop (SIGTERM), by process id.
         self.stopping: set[int] = set()
         self.violations: list[Violation] = []
-        #: What the library said at WARNING and above.
-        self.warnings: list[str] = []
         #: Each beat process's scheduler, by process id.
         self.leaders: dict[int, _Leader] = {}
         #: Each beat process's client of the store, by process id.
         self.links: dict[int, _BeatLink] = {}
-
-    def _note(self, line: str) -> None:
-        self.trace.append(line)
-        if self.full_trace is not None:
-            self.full_trace.append(line)
-
-    def note(self, text: str) -> None:
-        self._note(f"{self.scheduler.now:9.3f} {text}")
 
     # --- the run -----------------------------------------------------------------------
 
@@ -283,10 +268,6 @@ class BeatWorld:
             schedule[name] = entry.__class__(**dict(entry, last_run_at=older))
         leader._heap = None
         self.note(f"a beat's scheduler reloads entries {periods} intervals stale")
-
-    def _outage(self, on: bool) -> None:
-        self.store.outage = on
-        self.note("store outage begins" if on else "store outage ends")
 
     def _partition(self, seconds: float, pick: float) -> None:
         alive = self._live_beats()

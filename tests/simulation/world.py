@@ -259,7 +259,35 @@ class Body:
     handed_off: bool = False
 
 
-class World:
+class Traced:
+    """What every simulated world has: its seed, its scheduler (whose stream of draws is
+    the schedule), the trace of its steps, what the library said at WARNING and above,
+    and store outages (``store`` is the world's :class:`SharedStore`)."""
+
+    store: SharedStore
+
+    def __init__(self, seed: int, trace_lines: int) -> None:
+        self.seed = seed
+        self.scheduler = Scheduler(seed, self._note)
+        self.rng = self.scheduler.rng
+        self.trace: deque[str] = deque(maxlen=trace_lines)
+        self.full_trace: Optional[list[str]] = None
+        self.warnings: list[str] = []
+
+    def _note(self, line: str) -> None:
+        self.trace.append(line)
+        if self.full_trace is not None:
+            self.full_trace.append(line)
+
+    def note(self, text: str) -> None:
+        self._note(f"{self.scheduler.now:9.3f} {text}")
+
+    def _outage(self, on: bool) -> None:
+        self.store.outage = on
+        self.note("store outage begins" if on else "store outage ends")
+
+
+class World(Traced):
     def __init__(
         self,
         seed: int,
@@ -267,15 +295,11 @@ class World:
         trace_lines: int = 400,
         faults: int = FAULTS,
     ) -> None:
-        self.seed = seed
-        self.scheduler = Scheduler(seed, self._note)
-        self.rng = self.scheduler.rng
+        super().__init__(seed, trace_lines)
         if config is None:
             config = draw_config(self.rng)
             config = _with_later_draws(config, seed, faults)
         self.config = config
-        self.trace: deque[str] = deque(maxlen=trace_lines)
-        self.full_trace: Optional[list[str]] = None
         self.settings = self.config.settings()
         self.queue: list[Message] = []
         self._seq = itertools.count()
@@ -290,8 +314,6 @@ class World:
         self.children: list[Any] = []
         self.running: dict[int, Message] = {}
         self.losses: dict[int, float] = {}
-        #: What the library said at WARNING and above.
-        self.warnings: list[str] = []
         #: The requeue count of each call's last delivery taken by a child.
         self.taken_requeues: dict[str, int] = {}
         self.faults_until = self.config.window
@@ -300,16 +322,6 @@ class World:
         #: Sends refused at enqueue: task id -> (when, key, the call named instead).
         self.refused: dict[str, tuple[float, str, str]] = {}
         self.handoff_chance = random.Random(seed * 7919 + 21)  # the third world's
-
-    # --- the trace ---------------------------------------------------------------------
-
-    def _note(self, line: str) -> None:
-        self.trace.append(line)
-        if self.full_trace is not None:
-            self.full_trace.append(line)
-
-    def note(self, text: str) -> None:
-        self._note(f"{self.scheduler.now:9.3f} {text}")
 
     # --- the run -----------------------------------------------------------------------
 
@@ -410,10 +422,6 @@ class World:
         until = min(self.scheduler.now + seconds, self.faults_until)
         self.store.partitioned[child.pid] = until
         self.note(f"{child.name}'s link to the store is cut until {until:.3f}")
-
-    def _outage(self, on: bool) -> None:
-        self.store.outage = on
-        self.note("store outage begins" if on else "store outage ends")
 
     def _arrive(self, message: Message) -> None:
         self.versions[message.key] += 1
@@ -996,7 +1004,7 @@ class Retry(Exception):
 class TraceHandler(logging.Handler):
     """The library's log lines, in the trace, at their virtual time."""
 
-    def __init__(self, world: World) -> None:
+    def __init__(self, world: Traced) -> None:
         super().__init__(logging.DEBUG)
         self.world = world
 
