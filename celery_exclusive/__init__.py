@@ -19,6 +19,7 @@ from .errors import (
     DuplicateSkipped,
     ExclusiveError,
     ExclusiveKeyError,
+    LayoutMismatch,
     LeaseLost,
     LockHeld,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "DuplicateSkipped",
     "ExclusiveError",
     "ExclusiveKeyError",
+    "LayoutMismatch",
     "ExclusiveLock",
     "ExclusiveTask",
     "HeldLease",

@@ -66,6 +66,29 @@ class ConfigurationError(ExclusiveError):
     """
 
 
+class LayoutMismatch(ConfigurationError):
+    """The store holds a layout version this process cannot share (an upgrade half
+    done): the message names both versions and the step that ends it.
+
+    ``layout`` is the layout's name, ``found`` the version the store holds and
+    ``version`` this process's.
+    """
+
+    fields = ("layout", "found", "version")
+
+    def __init__(
+        self,
+        message: str,
+        layout: Optional[str] = None,
+        found: Optional[int] = None,
+        version: Optional[int] = None,
+    ):
+        super().__init__(message, layout, found, version)
+        self.layout = layout
+        self.found = found
+        self.version = version
+
+
 class ExclusiveKeyError(ExclusiveError):
     """The lease key of a call cannot be built from its arguments."""
 

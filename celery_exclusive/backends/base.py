@@ -206,6 +206,23 @@ CONNECTION_METHODS = {
 }
 
 
+@dataclass(frozen=True)
+class LayoutVersion:
+    """What a :class:`Backend` class writes to its store, and its version (the record
+    a store holds of it: :mod:`.versions`)."""
+
+    #: The layout's name: the store's own (``"redis"``) or a recipe's
+    #: (``"redis+set-nx"``); one record per name.
+    name: str
+    #: Bumped by every change to what the layout writes (key names, fields, scripts'
+    #: data, a table's columns).
+    version: int
+    #: Older versions this one can share a store with: it reads and writes so that
+    #: their processes and this one exclude each other (the compatibility mode of a
+    #: rolling upgrade). Empty: an upgrade stops the older processes first.
+    runs_beside: frozenset[int] = frozenset()
+
+
 def require(backend: Backend, capability: str, key: Optional[str] = None) -> None:
     """Refuse, with the one error every caller gives, what ``backend`` cannot do: a use
     of ``capability`` (a field of :class:`Capabilities`) it does not declare."""
@@ -323,6 +340,10 @@ class Backend(abc.ABC):
     #: What this store offers beyond leases with one holder per key (see
     #: :class:`Capabilities`); an instance whose URL gives up one narrows its own.
     capabilities: ClassVar[Capabilities] = Capabilities()
+    #: What this layout writes and its version, recorded in the store under each key
+    #: prefix (:mod:`.versions`); None for a store that keeps no version (a process
+    #: then shares it with any other, unchecked).
+    layout_version: ClassVar[Optional[LayoutVersion]] = None
     #: The connection this layout speaks over, made from the URL by :meth:`__init__`.
     connection_class: ClassVar[type[Connection]] = Connection
     #: The ``?recipe=`` this layout speaks (another ecosystem's lock, on the key's own

@@ -13,7 +13,7 @@ from typing import Any, Optional
 from urllib.parse import urlsplit
 
 from .. import runtime
-from .base import NO_END, Backend, Capabilities, End, Lease, LeaseInfo, MarkRead
+from .base import NO_END, Backend, Capabilities, End, LayoutVersion, Lease, LeaseInfo, MarkRead
 from .limits import check_limit
 from .line import LINE, admit, first_in_line
 
@@ -95,6 +95,7 @@ _stores_lock = runtime.Lock()
 
 class MemoryBackend(Backend):
     capabilities = Capabilities(limits=True, records=True, marks=True)
+    layout_version = LayoutVersion("memory", 1)
 
     def __init__(self, url: str) -> None:
         super().__init__(url)

@@ -487,7 +487,7 @@ class LeaderScheduler(Scheduler):
 def stop_beat(exc: ConfigurationError) -> SystemExit:
     """What a misconfiguration found as beat starts becomes: beat exits with one line
     saying what to fix (a traceback through Celery's start-up adds nothing)."""
-    return SystemExit(f"celery-exclusive: ConfigurationError: {exc}")
+    return SystemExit(f"celery-exclusive: {type(exc).__name__}: {exc}")
 
 
 def beat_settings(app) -> config.Settings:

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from typing import Any, Callable, Union
 from urllib.parse import urlsplit
 
-from ..backends import backend_for_url
+from ..backends import backend_for_url, versions
 from ..backends.sqlite import path_from_url
 from ..core import config
 from ..errors import BackendUnavailable, ConfigurationError
@@ -55,16 +55,19 @@ def check_stores(
 
 
 def check_store(url: str, key_prefix: str, meanwhile: str) -> bool:
-    """Check the store at ``url`` with a probe key under ``key_prefix``.
+    """Check the store at ``url`` with a probe key under ``key_prefix``, and the layout
+    version it holds there (:mod:`~celery_exclusive.backends.versions`).
 
     Raises :class:`ConfigurationError` for what retrying cannot fix (permissions,
-    authentication, TLS, topology, a path that is no database). A store that does not
+    authentication, TLS, topology, a path that is no database, a layout this version
+    cannot share). A store that does not
     answer is logged as one WARNING saying ``meanwhile`` (what the process does until
     it answers) and False is returned. The store's own warnings are logged.
     """
     backend = backend_for_url(url)
     try:
         warnings = backend.check(key_prefix + PROBE_KEY)
+        versions.ensure(backend, key_prefix)
     except BackendUnavailable as exc:
         logger.warning(
             "celery-exclusive: the lease store %s does not answer at start (%s); %s",

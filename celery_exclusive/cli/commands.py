@@ -18,7 +18,7 @@ from typing import Any, Optional, TypeVar
 import click
 from click.core import ParameterSource
 
-from ..backends import Backend, LeaseInfo, backend_for_url
+from ..backends import Backend, LeaseInfo, backend_for_url, versions
 from ..core import config, holders, marks
 from ..errors import ExclusiveError
 from . import display
@@ -47,9 +47,12 @@ class Target:
         self.backend_url = backend_url
         self.key_prefix = key_prefix
 
-    @property
+    @functools.cached_property
     def backend(self) -> Backend:
-        return backend_for_url(self.backend_url)
+        """The store, once it is known to hold a layout this version shares."""
+        backend = backend_for_url(self.backend_url)
+        versions.check(backend, self.key_prefix, record=False)
+        return backend
 
     def full_key(self, key: str) -> str:
         return key if key.startswith(self.key_prefix) else self.key_prefix + key
@@ -342,10 +345,13 @@ def watch(target: Target, interval: float, count: int) -> None:
 @one_line_errors
 def migrate(target: Target) -> None:
     """Create what the store needs before workers use it (PostgreSQL's tables), as the
-    URL's user: run once by an owner where the workers' role may not create tables."""
-    backend = target.backend
+    URL's user, and record this version's layout under the key prefix: run once by an
+    owner where the workers' role may not create tables, and once at the end of an
+    upgrade that changes the layout, when no process of the older version is left."""
+    backend = backend_for_url(target.backend_url)
     done = backend.connection.migrate()
     click.echo(f"{backend.safe_url}: {done or 'this store needs nothing created'}")
+    click.echo(f"{backend.safe_url}: {versions.migrate(backend, target.key_prefix)}")
 
 
 def main() -> None:

@@ -47,7 +47,7 @@ from contextvars import ContextVar
 from typing import Any, Callable, Optional, TypeVar
 
 from .. import runtime, telemetry
-from ..backends import Backend, backend_for_url
+from ..backends import Backend, backend_for_url, versions
 from ..errors import (
     BackendUnavailable,
     ConfigurationError,
@@ -175,6 +175,7 @@ class ExclusiveLock:
         )
 
     def _acquire(self, backend: Backend) -> Optional[HeldLease]:
+        versions.ensure(backend, self.key_prefix)
         lease = acquire(backend, self.key, self.ttl, self.limit, self.name, holder=LOCK_RECORD)
         if lease is None and self.wait > 0:
             settings = Settings(

@@ -25,7 +25,7 @@ from contextvars import ContextVar, Token
 from typing import Any, Callable, Optional, Union
 
 from .. import telemetry
-from ..backends import Backend, End, FinalWrite, MarkSwap
+from ..backends import Backend, End, FinalWrite, MarkSwap, versions
 from ..core import marks, outcomes, policies, terminate
 from ..core.config import Settings
 from ..core.lease import HeldLease, UnlockedLease
@@ -291,6 +291,7 @@ class Attempt:
             settings = dataclasses.replace(settings, on_duplicate="requeue")
         rerun = settings.on_duplicate == "rerun" and bool(call.task_id)
         try:
+            versions.ensure(call.backend, settings.key_prefix)
             arguments = None
             if rerun:
                 if self.as_of is None:

@@ -29,6 +29,7 @@ from celery_exclusive.beat.scheduler import LeaderScheduler
 from tests.conftest import fresh_redis_db
 from tests.support import otel
 from tests.support.beats import die, run_due
+from tests.support.layouts import record_layout
 from tests.support.servers import RedisServer
 from tests.support.workers import LoggedProcess, Worker
 
@@ -325,6 +326,17 @@ def test_a_store_that_cannot_work_stops_beat_at_start_with_one_line(make_stack, 
     last = beat.output().strip().splitlines()[-1]
     assert "celery-exclusive: ConfigurationError:" in last and "names a directory" in last
     assert "Traceback" not in beat.output()
+
+
+def test_a_beat_meeting_a_layout_it_cannot_share_stops_at_start_with_one_line(make_stack):
+    stack = make_stack("redis", worker=False)
+    record_layout(stack.store, "exclusive:", 99)
+    beat = stack.beat("b1")
+    assert beat.process.wait(30) != 0
+    last = beat.output().strip().splitlines()[-1]
+    assert "celery-exclusive: LayoutMismatch:" in last and "layout version 99" in last
+    assert "Traceback" not in beat.output()
+    assert stack.ticks() == []
 
 
 def test_a_beat_started_while_its_store_is_down_warns_once_and_leads_when_it_answers(

@@ -6,13 +6,16 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from celery_exclusive import ConfigurationError
 from celery_exclusive.backends.sqlite import SQLiteBackend
 from tests.support.apps import ledger as ledger_app
-from tests.support.cluster import Stack
+from tests.support.cluster import Stack, wait_until
+from tests.support.layouts import record_layout, recorded_layout
 from tests.support.servers import free_port
 
 
@@ -71,3 +74,61 @@ def test_a_database_this_user_cannot_write_is_a_configuration_error_not_an_outag
     with unwritable(f"{tmp_path}/leases.db"), pytest.raises(ConfigurationError) as raised:
         SQLiteBackend(url).try_acquire("k", "me", 10)
     assert "readonly" in str(raised.value) and "exclusive_backend_url" in str(raised.value)
+
+
+@pytest.fixture
+def store_of_another_version(redis_server, client_dbs, tmp_path_factory):
+    """A stack whose store holds a layout version other than this one's, as a worker of
+    another celery-exclusive version left it."""
+
+    def make(version: int) -> Stack:
+        stack = Stack(redis_server, *client_dbs, "redis", tmp_path_factory)
+        record_layout(stack.store, "exclusive:", version)
+        return stack
+
+    return make
+
+
+def refused_start(worker) -> str:
+    """Start ``worker``, which must exit at start; its log's last line."""
+    worker.start(wait=False)
+    assert worker.process.wait(60) != 0, worker.output()
+    assert "Traceback" not in worker.output()
+    return worker.output().strip().splitlines()[-1]
+
+
+def test_a_worker_meeting_a_newer_layout_refuses_to_start_naming_the_upgrade(
+    store_of_another_version,
+):
+    stack = store_of_another_version(99)
+    last = refused_start(stack.worker("w1", concurrency=1))
+    assert "celery-exclusive: LayoutMismatch:" in last
+    assert "layout version 99" in last and "upgrade this process" in last
+
+
+def test_a_worker_meeting_an_older_layout_refuses_until_it_is_migrated(store_of_another_version):
+    stack = store_of_another_version(0)
+    last = refused_start(stack.worker("w1", concurrency=1))
+    assert "celery-exclusive: LayoutMismatch:" in last and "migrate" in last
+    migrate = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("celery-exclusive")),
+            "--backend",
+            stack.store,
+            "migrate",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert migrate.returncode == 0, migrate.stderr
+    with stack.running(stack.worker("w2", concurrency=1)):
+        ledger_app.hold_skip.delay("migrated", 0)
+        assert wait_until(lambda: stack.ledger.llen("ledger") == 1, timeout=30)
+
+
+def test_the_first_worker_records_its_layout_version(redis_server, client_dbs, tmp_path_factory):
+    stack = Stack(redis_server, *client_dbs, "redis", tmp_path_factory)
+    assert recorded_layout(stack.store, "exclusive:") is None
+    with stack.running(stack.worker("w1", concurrency=1)):
+        assert recorded_layout(stack.store, "exclusive:") == "1"

@@ -16,12 +16,14 @@ from celery_exclusive import (
     ExclusiveError,
     ExclusiveLock,
     ExclusiveTask,
+    LayoutMismatch,
     LockHeld,
     backend_for_url,
     exclusive_lock,
 )
 from celery_exclusive.core.lease import acquire
 from celery_exclusive.rq import exclusive
+from tests.support.layouts import record_layout
 
 
 @pytest.fixture
@@ -264,3 +266,11 @@ def test_a_lock_whose_store_does_not_answer_names_itself_and_no_task_setting():
     assert "could not be taken: its key 'exclusive:reports:nightly' went unanswered" in message
     assert "never runs without the lease" in message
     assert "on_backend_error" not in message  # a task's setting, which a lock ignores
+
+
+def test_a_lock_meeting_a_layout_it_cannot_share_is_refused_and_its_block_never_runs(url):
+    record_layout(url, "", 99)
+    ran = []
+    with pytest.raises(LayoutMismatch, match="layout version 99"), ExclusiveLock("k", url):
+        ran.append(True)
+    assert ran == [] and holders(url, "k") == []

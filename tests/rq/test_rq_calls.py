@@ -17,11 +17,12 @@ import redis
 from rq import Queue
 from rq.job import Job
 
-from celery_exclusive import ConfigurationError, DuplicateSkipped, backend_for_url
+from celery_exclusive import ConfigurationError, DuplicateSkipped, LayoutMismatch, backend_for_url
 from celery_exclusive.core import config
 from celery_exclusive.rq import ExclusiveJob, exclusive
 from celery_exclusive.rq.options import resolve
 from tests.support.apps import rq_jobs
+from tests.support.layouts import record_layout
 
 
 @pytest.fixture
@@ -152,3 +153,13 @@ def test_an_environment_boolean_that_is_none_is_refused_naming_the_variable(monk
     monkeypatch.setenv("EXCLUSIVE_PRIORITY", "maybe")
     with pytest.raises(ConfigurationError, match="EXCLUSIVE_PRIORITY='maybe' is not allowed"):
         exclusive()(rq_jobs.plain)
+
+
+def test_a_direct_call_meeting_a_newer_layout_is_refused_naming_the_upgrade(redis_url, monkeypatch):
+    prefix = f"v{uuid.uuid4().hex[:8]}:"  # a prefix this process has not met yet
+    monkeypatch.setenv("EXCLUSIVE_BACKEND_URL", redis_url)
+    monkeypatch.setenv("EXCLUSIVE_KEY_PREFIX", prefix)
+    record_layout(redis_url, prefix, 99)
+    with pytest.raises(LayoutMismatch, match="layout version 99.*upgrade this process"):
+        rq_jobs.fenced("newer")
+    assert backend_for_url(redis_url).holders(prefix) == []

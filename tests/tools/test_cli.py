@@ -21,6 +21,7 @@ from celery_exclusive.backends import backend_for_url
 from celery_exclusive.cli import exclusive
 from celery_exclusive.core import marks
 from celery_exclusive.core.lease import acquire
+from tests.support.layouts import record_layout, recorded_layout
 from tests.support.workers import ROOT
 
 HOSTNAME = socket.gethostname()
@@ -408,4 +409,28 @@ def test_a_missing_client_library_is_one_line_naming_the_extra(tmp_path):
 def test_migrate_says_a_store_without_tables_needs_nothing(store):
     result = run(store, "migrate")
     assert result.exit_code == 0, result.output
-    assert result.output.rstrip().endswith(": this store needs nothing created")
+    assert ": this store needs nothing created\n" in result.output
+
+
+def test_a_command_meeting_a_newer_layout_refuses_in_one_line(store):
+    record_layout(store, "exclusive:", 99)
+    result = run(store, "ls")
+    assert result.exit_code == 1
+    assert result.output.startswith("Error: the store at ")
+    assert "layout version 99" in result.output and "upgrade this process" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_a_command_that_only_reads_records_no_layout(store):
+    assert run(store, "ls").exit_code == 0
+    assert recorded_layout(store, "exclusive:") is None
+
+
+def test_migrate_moves_an_older_layout_to_this_version(store):
+    record_layout(store, "exclusive:", 0)
+    assert run(store, "ls").exit_code == 1
+    result = run(store, "migrate")
+    assert result.exit_code == 0, result.output
+    assert "recorded (the store held version 0)" in result.output
+    assert recorded_layout(store, "exclusive:") == "1"
+    assert run(store, "ls").exit_code == 0

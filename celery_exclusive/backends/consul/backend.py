@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ...errors import ConfigurationError
-from ..base import NO_END, Backend, Capabilities, End, Lease, LeaseInfo, MarkRead
+from ..base import NO_END, Backend, Capabilities, End, LayoutVersion, Lease, LeaseInfo, MarkRead
 from ..limits import check_limit
 from ..line import LINE, first_in_line
 from .connection import CAS_ATTEMPTS, MAX_TXN_OPS, ConsulConnection, TxnConflict
@@ -34,6 +34,7 @@ class ConsulBackend(Backend):
     """Leases as Consul locks: see the module's docstring."""
 
     capabilities = Capabilities(limits=True, records=True, marks=True)
+    layout_version = LayoutVersion("consul", 1)
     connection_class = ConsulConnection
     recipes = {
         "api": "celery_exclusive.backends.consul.recipes:ApiRecipe",

@@ -55,7 +55,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, Optional
 
 from ...errors import ConfigurationError
-from ..base import NO_END, Backend, Capabilities, End, Lease, LeaseInfo, MarkRead
+from ..base import NO_END, Backend, Capabilities, End, LayoutVersion, Lease, LeaseInfo, MarkRead
 from ..limits import check_limit
 from ..line import LINE, first_in_line
 from .connection import CAS_ATTEMPTS, ConsulConnection, TxnConflict
@@ -672,6 +672,7 @@ class ApiRecipe(HashiCorpRecipe, Backend):
     it as a prefix."""
 
     recipe = "api"
+    layout_version = LayoutVersion("consul+api", 1)
     capabilities = Capabilities(limits=True, records=True, marks=True)
 
 
@@ -680,6 +681,7 @@ class ConsulLockRecipe(HashiCorpRecipe, Backend):
     ``path/.lock`` and (``-n N``) ``api.Semaphore`` on ``path``."""
 
     recipe = "consul-lock"
+    layout_version = LayoutVersion("consul+consul-lock", 1)
     capabilities = Capabilities(limits=True, records=True, marks=True)
     lock_key = SEMAPHORE_KEY  # command/lock/lock.go setupLock: path.Join(prefix, ".lock")
 
@@ -689,6 +691,7 @@ class AcquireRecipe(HashiCorpRecipe, Backend):
     session)``: no flags, one holder at a time."""
 
     recipe = "acquire"
+    layout_version = LayoutVersion("consul+acquire", 1)
     capabilities = Capabilities(records=True, marks=True)
     lock_flag = None
     semaphore_flag = None

@@ -27,6 +27,7 @@ from ..base import (
     End,
     HeldKey,
     HoldersPage,
+    LayoutVersion,
     Lease,
     LeaseInfo,
     MarkRead,
@@ -44,6 +45,7 @@ class EtcdBackend(Backend):
     """The etcd store, in the library's own layout (see the module docstring)."""
 
     capabilities = Capabilities(limits=True, records=True, marks=True)
+    layout_version = LayoutVersion("etcd", 1)
     connection_class = EtcdConnection
     recipes: ClassVar[Mapping[str, str]] = {
         "mutex": "celery_exclusive.backends.etcd.recipe:MutexBackend",

@@ -56,7 +56,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, Optional
 
 from ...errors import ConfigurationError
-from ..base import NO_END, Backend, Capabilities, End, Lease, LeaseInfo, MarkRead
+from ..base import NO_END, Backend, Capabilities, End, LayoutVersion, Lease, LeaseInfo, MarkRead
 from ..line import LINE, admit, entries_of, first_in_line, until_of
 from . import kv
 from .connection import CAS_ATTEMPTS, EtcdConnection
@@ -70,6 +70,7 @@ class MutexBackend(Backend):
     """The etcd store speaking the concurrency mutex (see the module docstring)."""
 
     capabilities = Capabilities(records=True, marks=True)
+    layout_version = LayoutVersion("etcd+mutex", 1)
     connection_class = EtcdConnection
     recipe = "mutex"
     #: Waiters are served as etcd serves its queue, in the order they came: no priority

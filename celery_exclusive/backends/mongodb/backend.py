@@ -35,6 +35,7 @@ from ..base import (
     Capabilities,
     End,
     HoldersPage,
+    LayoutVersion,
     Lease,
     LeaseInfo,
     MarkRead,
@@ -59,6 +60,7 @@ DESCRIBED = {
 
 class MongoDBBackend(Backend):
     capabilities = Capabilities(limits=True, records=True, marks=True)
+    layout_version = LayoutVersion("mongodb", 1)
     connection_class = MongoDBConnection
     recipes = {"ttl-lease": "celery_exclusive.backends.mongodb.recipe:TtlLeaseBackend"}
     connection: MongoDBConnection

@@ -64,7 +64,7 @@ from typing import Any, Optional
 from bson import json_util
 
 from ...errors import BackendUnavailable, ConfigurationError, ExclusiveError
-from ..base import NO_END, Backend, Capabilities, End, Lease, LeaseInfo, MarkRead
+from ..base import NO_END, Backend, Capabilities, End, LayoutVersion, Lease, LeaseInfo, MarkRead
 from ..line import LINE, admit, entries_of, first_in_line
 from ..readback import LostAnswer
 from . import expressions as x
@@ -145,6 +145,7 @@ class TtlLeaseBackend(Backend):
     recipe = "ttl-lease"
     #: One holder per key, as the recipe has.
     capabilities = Capabilities(records=True, marks=True)
+    layout_version = LayoutVersion("mongodb+ttl-lease", 1)
     connection_class = MongoDBConnection
     connection: MongoDBConnection
 

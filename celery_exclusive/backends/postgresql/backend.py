@@ -27,6 +27,7 @@ from ..base import (
     Capabilities,
     End,
     HoldersPage,
+    LayoutVersion,
     Lease,
     LeaseInfo,
     MarkRead,
@@ -127,6 +128,7 @@ class PostgreSQLBackend(Backend):
     """Leases as rows of the store's tables (see the module docstring)."""
 
     capabilities = Capabilities(limits=True, records=True, marks=True)
+    layout_version = LayoutVersion("postgresql", 1)
     connection_class = PostgreSQLConnection
     recipes = {"advisory": "celery_exclusive.backends.postgresql.recipe:AdvisoryBackend"}
     connection: PostgreSQLConnection

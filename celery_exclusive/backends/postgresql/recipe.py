@@ -49,7 +49,7 @@ import psycopg
 from psycopg import pq
 
 from ...errors import ConfigurationError
-from ..base import NO_END, Backend, Capabilities, End, Lease, LeaseInfo, MarkRead
+from ..base import NO_END, Backend, Capabilities, End, LayoutVersion, Lease, LeaseInfo, MarkRead
 from ..line import LINE, admit, first_in_line
 from .connection import NOW, PostgreSQLConnection, decoded, encoded, inherited, key_id, key_lock
 from .watchdog import CALL_TIMEOUT, WATCH_INTERVAL
@@ -300,6 +300,7 @@ class AdvisoryBackend(Backend):
     recipe = RECIPE
     #: One holder per key, as the recipe has.
     capabilities = Capabilities(records=True, marks=True)
+    layout_version = LayoutVersion("postgresql+advisory", 1)
     connection_class = PostgreSQLConnection
     connection: PostgreSQLConnection
 

@@ -17,6 +17,7 @@ from ..base import (
     End,
     HeldKey,
     HoldersPage,
+    LayoutVersion,
     Lease,
     LeaseInfo,
     MarkRead,
@@ -36,6 +37,7 @@ class RedisBackend(Backend):
     capabilities = Capabilities(
         limits=True, records=True, marks=True, final_writes=True, event_log=True
     )
+    layout_version = LayoutVersion("redis", 1)
     connection_class = RedisConnection
     connection: RedisConnection
     recipes = {"set-nx": "celery_exclusive.backends.redis.recipe:SetNxBackend"}

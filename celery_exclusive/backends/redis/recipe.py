@@ -50,7 +50,7 @@ from typing import Any, Optional
 from redis.crc import key_slot
 
 from ...errors import ConfigurationError
-from ..base import NO_END, Backend, Capabilities, End, Lease, LeaseInfo, MarkRead
+from ..base import NO_END, Backend, Capabilities, End, LayoutVersion, Lease, LeaseInfo, MarkRead
 from . import checks, layout
 from .connection import RedisConnection
 
@@ -174,6 +174,7 @@ class SetNxBackend(Backend):
 
     recipe = "set-nx"
     capabilities = Capabilities(records=True, marks=True, final_writes=True, event_log=True)
+    layout_version = LayoutVersion("redis+set-nx", 1)
     connection_class = RedisConnection
     connection: RedisConnection
 

@@ -38,6 +38,7 @@ from ..base import (
     Capabilities,
     End,
     HoldersPage,
+    LayoutVersion,
     Lease,
     LeaseInfo,
     MarkRead,
@@ -97,6 +98,7 @@ def path_from_url(url: str) -> str:
 
 class SQLiteBackend(Backend):
     capabilities = Capabilities(limits=True, records=True, marks=True)
+    layout_version = LayoutVersion("sqlite", 1)
 
     def __init__(self, url: str) -> None:
         super().__init__(url)
