@@ -23,7 +23,8 @@ records is the one part of a layout no version may change (a later version must
 still read this record where this one wrote it).
 
 A process checks a store once per key prefix: a worker and a beat as they start, and
-any other (an RQ work horse, a lock for any code) before its first lease there. The
+any other (an RQ work horse, a lock for any code) before its first lease there, a
+producer before its first enqueue mark. The
 CLI checks before each command and records nothing but by ``migrate``.
 """
 

@@ -237,7 +237,12 @@ class ExclusiveTask(Task):
         key = self.exclusive_key_for(tuple(args or ()), dict(kwargs or {}))
         task_id = task_id or uuid()
         queued = enqueue.claim(
-            self.exclusive_backend, self.name, key, task_id, settings.enqueue_ttl
+            self.exclusive_backend,
+            self.name,
+            key,
+            task_id,
+            settings.enqueue_ttl,
+            settings.key_prefix,
         )
         if queued is not None:
             logger.info("enqueue deduplicated key=%s: %s is already queued", key, queued)

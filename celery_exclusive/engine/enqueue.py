@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Optional
 
-from ..backends import Backend
+from ..backends import Backend, versions
 from ..core import marks, outcomes
 from ..errors import BackendUnavailable
 
@@ -47,8 +47,18 @@ def going_on() -> Iterator[None]:
         _going_on.reset(token)
 
 
-def claim(backend: Backend, name: str, key: str, task_id: str, ttl: float) -> Optional[str]:
+def claim(
+    backend: Backend,
+    name: str,
+    key: str,
+    task_id: str,
+    ttl: float,
+    key_prefix: Optional[str] = None,
+) -> Optional[str]:
     """Claim the enqueue mark of ``key`` for the call ``task_id`` about to be sent.
+
+    A producer meets the layout the store holds under ``key_prefix`` before its first
+    mark there (:func:`~celery_exclusive.backends.versions.ensure`), as a worker does.
 
     Returns None to send it (the mark is its own now; the call goes on, see
     :func:`going_on`; or the store did not answer: the run-time lease still applies,
@@ -57,6 +67,8 @@ def claim(backend: Backend, name: str, key: str, task_id: str, ttl: float) -> Op
     """
     going_on = _going_on.get()
     try:
+        if key_prefix is not None:
+            versions.ensure(backend, key_prefix)
         queued = marks.claim_mark(backend, key, marks.QUEUED, task_id, ttl)
     except BackendUnavailable as exc:
         logger.warning(

@@ -7,11 +7,13 @@ import contextlib
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
+from celery import Celery
 
-from celery_exclusive import ConfigurationError
+from celery_exclusive import ConfigurationError, ExclusiveTask, LayoutMismatch
 from celery_exclusive.backends.sqlite import SQLiteBackend
 from tests.support.apps import ledger as ledger_app
 from tests.support.cluster import Stack, wait_until
@@ -132,3 +134,17 @@ def test_the_first_worker_records_its_layout_version(redis_server, client_dbs, t
     assert recorded_layout(stack.store, "exclusive:") is None
     with stack.running(stack.worker("w1", concurrency=1)):
         assert recorded_layout(stack.store, "exclusive:") == "1"
+
+
+def test_a_producer_meeting_a_newer_layout_is_refused_at_its_first_deduplicated_send():
+    store = f"memory://{uuid.uuid4().hex}"
+    app = Celery("producer", set_as_current=False)
+    app.conf.update(broker_url="memory://", exclusive_backend_url=store)
+
+    @app.task(base=ExclusiveTask, exclusive_key="{n}", exclusive_scope="enqueue")
+    def settle(n):
+        return n
+
+    record_layout(store, "exclusive:", 99)
+    with pytest.raises(LayoutMismatch, match="layout version 99"):
+        settle.delay(1)
