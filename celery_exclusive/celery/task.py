@@ -28,7 +28,7 @@ from ..core.lock import ExclusiveLock
 from ..engine import attempt, enqueue
 from ..engine.arguments import decode_call
 from ..errors import DuplicateSkipped, ExclusiveError
-from . import checks, execution, worker
+from . import checks, execution, revoked, worker
 from . import settings as app_settings
 from .execution import REQUEUES_HEADER, RedeliveredCopy  # noqa: F401 - where they were
 
@@ -253,8 +253,17 @@ class ExclusiveTask(Task):
                 policy="enqueue",
                 holder_task_id=queued,
             )
-            return self.AsyncResult(queued)
-        return super().apply_async(args, kwargs, task_id=task_id, **options)
+            return revoked.keyed(self.AsyncResult(queued), self, key)
+        sent = super().apply_async(args, kwargs, task_id=task_id, **options)
+        return revoked.keyed(sent, self, key)
+
+    def AsyncResult(self, task_id: str, **kwargs: Any) -> Any:  # noqa: N802 - Celery's name
+        """The result of call ``task_id``, as Celery's: one whose :meth:`revoke` also
+        frees the call's enqueue mark where the send that made it knows the key
+        (:mod:`.revoked`)."""
+        return revoked.ExclusiveResult(
+            task_id, backend=self.backend, task_name=self.name, app=self._get_app(), **kwargs
+        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return execution.call(self, args, kwargs, super().__call__)

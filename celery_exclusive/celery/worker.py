@@ -69,6 +69,14 @@ class ExclusiveRequest(Request):
         if self.time_start:  # running: the signal went to its process now
             self._release_dead_holder(acknowledged=True)  # Celery acks a terminated task
 
+    def _announce_revoked(self, reason, terminated, signum, expired) -> None:
+        """A call revoked (or expired) before it ran, dropped here: it is over, so what
+        it reserved goes now: its enqueue mark, what a delivery would have resumed
+        with, and the run it owed a pending rerun (:mod:`.revoked`)."""
+        super()._announce_revoked(reason, terminated, signum, expired)
+        if not self.time_start:  # one that ran ends through on_failure (Terminated)
+            self._release_dead_holder(acknowledged=True)
+
     def on_failure(self, exc_info, send_failed_event: bool = True, return_ok: bool = False):
         # Every reported end but a success comes here (a retry too: Celery hands it on to
         # on_retry); a success ends the call for Celery (_child_exited reads that).

@@ -1,0 +1,75 @@
+"""Revoking a call frees what it reserved, on a real worker: a call revoked before it
+ran leaves no enqueue mark behind to answer later sends with a call that never runs.
+
+One worker with one child, kept busy by a holder on another key, so that the calls
+under test wait in the queue (or among the worker's prefetched messages) while they are
+revoked.
+"""
+
+from __future__ import annotations
+
+import pytest
+from celery import states
+
+from celery_exclusive import backend_for_url
+from celery_exclusive.core import marks
+from tests.support.apps import ledger as ledger_app
+from tests.support.cluster import Stack, start_holding, wait_until
+from tests.support.workers import read_ledger
+
+
+@pytest.fixture(scope="module")
+def stack(redis_server, client_dbs, tmp_path_factory):
+    stack = Stack(redis_server, *client_dbs, "redis", tmp_path_factory)
+    with stack.running(stack.worker("r1", concurrency=1)):
+        yield stack
+
+
+@pytest.fixture
+def busy(stack):
+    """The worker's only child held by a call on another key for three seconds."""
+    stack.reset()
+    holder = start_holding(ledger_app.hold_skip, "busy", 3.0, stack)
+    yield holder
+    holder.get(timeout=30)
+
+
+def enqueue_mark(stack, key: str):
+    return backend_for_url(stack.store).read_mark("exclusive:" + key, marks.QUEUED)
+
+
+def runs_of(stack, key: str) -> list[str]:
+    return [e["task_id"] for e in read_ledger(stack.ledger) if e["key"] == key]
+
+
+def test_a_revoked_call_frees_its_enqueue_mark_at_once(stack, busy):
+    first = ledger_app.enqueued_once.delay("report", 0)
+    assert enqueue_mark(stack, "report") == first.id
+    first.revoke()
+    assert enqueue_mark(stack, "report") is None
+    second = ledger_app.enqueued_once.delay("report", 0)
+    assert second.id != first.id
+    second.get(timeout=30)
+    assert wait_until(lambda: first.state == states.REVOKED, timeout=30)
+    assert runs_of(stack, "report") == [second.id]
+
+
+def test_a_call_revoked_by_its_id_alone_frees_its_mark_when_the_worker_drops_it(stack, busy):
+    first = ledger_app.enqueued_once.delay("export", 0)
+    ledger_app.app.AsyncResult(first.id).revoke()  # a result that knows only the id
+    assert wait_until(lambda: first.state == states.REVOKED, timeout=30)
+    assert wait_until(lambda: enqueue_mark(stack, "export") is None, timeout=10)
+    again = ledger_app.enqueued_once.delay("export", 0)
+    assert again.id != first.id
+    again.get(timeout=30)
+    assert runs_of(stack, "export") == [again.id]
+
+
+def test_a_call_whose_message_expired_frees_its_mark(stack, busy):
+    first = ledger_app.enqueued_once.apply_async(("digest", 0), expires=0.5)
+    assert wait_until(lambda: first.state == states.REVOKED, timeout=30)
+    assert wait_until(lambda: enqueue_mark(stack, "digest") is None, timeout=10)
+    again = ledger_app.enqueued_once.delay("digest", 0)
+    assert again.id != first.id
+    again.get(timeout=30)
+    assert runs_of(stack, "digest") == [again.id]
