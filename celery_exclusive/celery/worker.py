@@ -176,12 +176,13 @@ class ExclusiveRequest(Request):
         reaper.release_left_by(backend, key, self.id, limit, pid)
 
     def _release_dead_holder(self, acknowledged: bool, comes_back: Optional[bool] = None) -> None:
-        """Free what the dead child held. If Celery acknowledged its message (stored
-        the failure, or sent a retry, rather than requeueing), also record that the
-        attempt ended, so a copy of the message set aside meanwhile does not run it
-        again. Unless the call comes back (``comes_back``; by default, when its message
-        was not acknowledged), the run its coalesced duplicates are owed goes to a new
-        call, and what a delivery would have resumed with goes."""
+        """Free what the dead child held, and unless the call comes back, its place in
+        its key's line. If Celery acknowledged its message (stored the failure, or sent
+        a retry, rather than requeueing), also record that the attempt ended, so a copy
+        of the message set aside meanwhile does not run it again. Unless the call comes
+        back (``comes_back``; by default, when its message was not acknowledged), the run
+        its coalesced duplicates are owed goes to a new call, and what a delivery would
+        have resumed with goes."""
         if comes_back is None:
             comes_back = not acknowledged
         task = self.task
@@ -191,6 +192,10 @@ class ExclusiveRequest(Request):
             key = task.exclusive_key_for(tuple(self.args or ()), dict(self.kwargs or {}))
             backend = task.exclusive_backend
             held = reaper.leases_on_this_host(backend, key, self.id, task.exclusive_settings.limit)
+            if not comes_back:
+                # A call that died waiting (revoked with terminate=True, killed) leaves
+                # its key's line now, rather than after its place lapses (a lease ttl).
+                marks.leave_line(backend, key, self.id)
             if task.exclusive_settings.scope != "run" and not comes_back:
                 marks.clear_mark(backend, key, marks.QUEUED, self.id)
             if acknowledged and task.acks_late:

@@ -1,9 +1,10 @@
 """Revoking a call frees what it reserved, on a real worker: a call revoked before it
 ran leaves no enqueue mark behind to answer later sends with a call that never runs.
 
-One worker with one child, kept busy by a holder on another key, so that the calls
-under test wait in the queue (or among the worker's prefetched messages) while they are
-revoked.
+One worker with two children, both kept busy by holders on other keys where the calls
+under test are to wait in the queue (or among the worker's prefetched messages) while
+they are revoked. Leases last 30 s, so that what a revoke frees at once is told from
+what lapses on its own.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pytest
 from celery import states
 
 from celery_exclusive import backend_for_url
+from celery_exclusive.backends.line import LINE, entries_of
 from celery_exclusive.core import marks
 from tests.support.apps import ledger as ledger_app
 from tests.support.cluster import Stack, start_holding, wait_until
@@ -21,17 +23,19 @@ from tests.support.workers import read_ledger
 @pytest.fixture(scope="module")
 def stack(redis_server, client_dbs, tmp_path_factory):
     stack = Stack(redis_server, *client_dbs, "redis", tmp_path_factory)
-    with stack.running(stack.worker("r1", concurrency=1)):
+    stack.ttl = 30.0
+    with stack.running(stack.worker("r1", concurrency=2)):
         yield stack
 
 
 @pytest.fixture
 def busy(stack):
-    """The worker's only child held by a call on another key for three seconds."""
+    """The worker's two children held by calls on other keys for three seconds."""
     stack.reset()
-    holder = start_holding(ledger_app.hold_skip, "busy", 3.0, stack)
-    yield holder
-    holder.get(timeout=30)
+    holders = [start_holding(ledger_app.hold_skip, f"busy-{i}", 3.0, stack) for i in range(2)]
+    yield holders
+    for holder in holders:
+        holder.get(timeout=30)
 
 
 def enqueue_mark(stack, key: str):
@@ -73,3 +77,23 @@ def test_a_call_whose_message_expired_frees_its_mark(stack, busy):
     assert again.id != first.id
     again.get(timeout=30)
     assert runs_of(stack, "digest") == [again.id]
+
+
+def test_a_waiting_call_revoked_with_terminate_leaves_the_line_at_once(stack):
+    stack.reset()
+    holder = start_holding(ledger_app.hold_wait, "line", 5.0, stack)
+    waiter = ledger_app.hold_wait.delay("line", 0)
+    backend = backend_for_url(stack.store)
+    assert wait_until(lambda: marks.waiting(backend, "exclusive:line", waiter.id), timeout=15)
+    waiter.revoke(terminate=True)
+    # Its place would lapse only after a lease ttl (30 s) without it.
+    assert wait_until(lambda: waiter.id not in line_ids(stack, "line"), timeout=10)
+    holder.get(timeout=30)
+    assert wait_until(lambda: waiter.state == states.REVOKED, timeout=30)
+    assert runs_of(stack, "line") == [holder.id]
+
+
+def line_ids(stack, key: str) -> list[str]:
+    """Every id in the line of ``key`` as the store holds it, lapsed places too."""
+    line = backend_for_url(stack.store).read_mark("exclusive:" + key, LINE)
+    return [entry["id"] for entry in entries_of(line)]
