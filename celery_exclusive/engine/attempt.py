@@ -31,7 +31,7 @@ from ..core.config import Settings
 from ..core.lease import HeldLease, UnlockedLease
 from ..core.outcomes import Outcome
 from ..core.policies import Granted
-from ..errors import BackendUnavailable, ExclusiveError, LeaseLost
+from ..errors import BackendUnavailable, ExclusiveError, LayoutMismatch, LeaseLost
 from .arguments import decode_call, encode_call
 
 logger = logging.getLogger("celery_exclusive")
@@ -292,6 +292,11 @@ class Attempt:
         rerun = settings.on_duplicate == "rerun" and bool(call.task_id)
         try:
             versions.ensure(call.backend, settings.key_prefix)
+        except BackendUnavailable as exc:
+            return self._without_store(exc)
+        except LayoutMismatch as exc:
+            return self._in_another_layout(exc)
+        try:
             arguments = None
             if rerun:
                 if self.as_of is None:
@@ -432,6 +437,21 @@ class Attempt:
         else:
             logger.warning("%s (%s='requeue')", message, setting)
         return ended
+
+    def _in_another_layout(self, exc: LayoutMismatch) -> Outcome:
+        """The store holds a layout this process cannot share (found at the first call,
+        the store having been down as the worker started): the call never runs here,
+        whatever ``on_backend_error`` says, and goes back to the queue for a process
+        of that layout (given up after ``requeue_max_retries``); with no queue to go
+        back to, the caller gets the error."""
+        call = self.call
+        logger.error("%s: not run by this process: %s", self._label(), exc)
+        if not self.host.can_requeue:
+            raise exc
+        countdown = policies.requeue_delay(call.settings, call.requeues)
+        reason = "this process cannot share the lease store's layout"
+        requeue = outcomes.Requeue(call.key, countdown, reason, "unanswered", call.requeues + 1)
+        return self._requeue(dataclasses.replace(requeue, as_of=self.as_of))
 
     def _label(self) -> str:
         """The call as log lines name it: its task and id, or how it was called."""

@@ -18,7 +18,7 @@ from celery_exclusive.backends.sqlite import SQLiteBackend
 from tests.support.apps import ledger as ledger_app
 from tests.support.cluster import Stack, wait_until
 from tests.support.layouts import record_layout, recorded_layout
-from tests.support.servers import free_port
+from tests.support.servers import RedisServer, free_port
 
 
 def test_a_worker_whose_store_does_not_answer_warns_once_at_start_then_requeues(
@@ -148,3 +148,24 @@ def test_a_producer_meeting_a_newer_layout_is_refused_at_its_first_deduplicated_
     record_layout(store, "exclusive:", 99)
     with pytest.raises(LayoutMismatch, match="layout version 99"):
         settle.delay(1)
+
+
+def test_a_worker_that_meets_a_newer_layout_after_its_start_never_runs_a_call(
+    redis_server, client_dbs, tmp_path_factory
+):
+    # The store does not answer as the worker starts; once it does, it holds a layout
+    # this worker cannot share: its calls go back to the queue, never run here.
+    store = RedisServer()
+    try:
+        stack = Stack(redis_server, *client_dbs, store.url, tmp_path_factory)
+        with stack.running(stack.worker("w1", concurrency=1)) as running:
+            [worker] = running.workers
+            store.start()
+            record_layout(store.url, "exclusive:", 99)
+            call = ledger_app.hold_skip.delay("later", 0)
+            worker.wait_for_log(f"[{call.id}]: not run by this process", timeout=30)
+            worker.wait_for_log("requeued: 'exclusive:later' this process cannot share", timeout=30)
+            assert stack.ledger.llen("ledger") == 0
+            assert "layout version 99" in worker.output()
+    finally:
+        store.cleanup()

@@ -12,7 +12,8 @@ import threading
 import pytest
 from opentelemetry import trace
 
-from celery_exclusive import ConfigurationError, ExclusiveLock, LockHeld, telemetry
+from celery_exclusive import ConfigurationError, ExclusiveLock, LockHeld, backend_for_url, telemetry
+from celery_exclusive.backends import versions
 from celery_exclusive.core import config
 from celery_exclusive.core.heartbeat import _Renewal, heartbeat
 from tests.support import otel
@@ -39,6 +40,8 @@ def test_a_lock_entered_under_a_span_is_an_acquire_span_beneath_it_and_its_relea
     sqlite_url, spans
 ):
     lock = ExclusiveLock("exclusive:invoice:7", sqlite_url, ttl=5, name="settle")
+    # The process's first lease on a store reads its layout version first: done here.
+    versions.ensure(backend_for_url(sqlite_url), "")
     with trace.get_tracer("app").start_as_current_span("request"), lock as lease:
         pass
     finished = spans.get_finished_spans()

@@ -77,7 +77,10 @@ def test_after_the_migrate_command_a_role_with_only_row_privileges_keeps_leases(
     owners_url = f"{postgres_server.url}?schema={schema}"
     result = CliRunner().invoke(exclusive, ["--backend", owners_url, "migrate"])
     assert result.exit_code == 0, result.output
-    assert result.output.rstrip().endswith("are in place (schema version 1)")
+    assert "are in place (schema version 1)\n" in result.output
+    assert result.output.rstrip().endswith(
+        "layout postgresql version 1 recorded (the store held no version)"
+    )
     with admin(postgres_server) as conn:
         conn.execute(
             f"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {schema} "
