@@ -8,7 +8,8 @@ other's leases and would run one key twice, silently; so each store holds the ve
 in force under each key prefix, one record (:data:`RECORD_KEY`), and every process
 meets it before it takes a lease:
 
-- no record yet: the first process (or ``celery exclusive migrate``) writes its own;
+- no record yet: read as version 1 (:data:`UNRECORDED`, what every release wrote
+  before versions were recorded); the first process that shares it writes it;
 - the same version, or an older one the layout lists in :attr:`~.base.LayoutVersion.runs_beside`
   (a compatibility mode: this version writes what that one reads, so old and new
   workers exclude each other for the length of a deploy): go on;
@@ -31,43 +32,54 @@ CLI checks before each command and records nothing but by ``migrate``.
 from __future__ import annotations
 
 import uuid
-from typing import Optional
+from typing import Callable, Optional
 
-from ..errors import ConfigurationError, LayoutMismatch
+from .. import runtime
+from ..errors import BackendUnavailable, LayoutMismatch
 from . import base
 from .base import LayoutVersion
 
 #: The lease key, under the key prefix, whose records hold the layout versions.
 RECORD_KEY = "celery-exclusive:layout"
 
+#: What a store without a record holds: releases from before layouts were recorded
+#: wrote layout 1 of every store, so a store without a record is read as version 1
+#: (a process of a later version finds it so, and may not share it unless it runs
+#: beside version 1; a new store then starts with ``migrate``).
+UNRECORDED = 1
+
 #: Seconds a process holds the record key while it writes the first version.
 _WRITE_TTL = 10.0
+#: Seconds, then how many times, a first process waits for another one writing it.
+_WAIT, _WRITE_TRIES = 0.5, 20
+#: Seconds a process goes on with its check of a store before it reads the record
+#: again: a process forgotten by an upgrade finds the ``migrate`` that ended it.
+RECHECK_AFTER = 300.0
 
-#: How many times a first process waits for another one writing the record.
-_WRITE_TRIES = 5
 
-
-#: The version in force of each (store URL, key prefix) this process checked, or the
-#: process it was forked from: a record changes only once no process of the version it
-#: replaces is left (a worker's pool children share their parent's check at start).
-_checked: dict[tuple[str, str], Optional[int]] = {}
+#: Of each (store URL, key prefix) this process checked, or the process it was forked
+#: from (a worker's pool children share their parent's check at start): the version in
+#: force there, and when to read it again.
+_checked: dict[tuple[str, str], tuple[Optional[int], float]] = {}
 
 
 def ensure(backend: base.Backend, key_prefix: str) -> Optional[int]:
-    """:func:`check` the store under ``key_prefix``, once per process: the first lease a
-    process takes there waits for one read of the record, the later ones for nothing.
-    Returns the version in force there: a layout that runs beside older versions
-    writes what the one in force reads."""
+    """:func:`check` the store under ``key_prefix``, once per :data:`RECHECK_AFTER` in a
+    process: a process's first lease there waits for one read of the record, the later
+    ones for nothing. Returns the version in force there: a layout that runs beside
+    older versions writes what the one in force reads."""
     checked = (backend.url, key_prefix)
-    if checked not in _checked:
-        _checked[checked] = check(backend, key_prefix)
-    return _checked[checked]
+    known = _checked.get(checked)
+    now = runtime.monotonic()
+    if known is None or now >= known[1]:
+        known = _checked[checked] = (check(backend, key_prefix), now + RECHECK_AFTER)
+    return known[0]
 
 
 def check(backend: base.Backend, key_prefix: str, record: bool = True) -> Optional[int]:
     """The version in force under ``key_prefix`` (None for a layout that declares
-    none, or for a store that holds none yet and a caller that does not ``record``
-    its own there: a command that only reads).
+    none, or for a store that holds no record yet and a caller that does not
+    ``record`` one: a command that only reads).
 
     Raises :class:`~celery_exclusive.errors.LayoutMismatch` where this process may not
     share the store, and :class:`~celery_exclusive.errors.BackendUnavailable` where
@@ -79,39 +91,55 @@ def check(backend: base.Backend, key_prefix: str, record: bool = True) -> Option
     key = key_prefix + RECORD_KEY
     found = _read(backend, key, layout)
     if found is None:
+        if not _shares(layout, UNRECORDED):
+            raise _mismatch(backend, key_prefix, layout, UNRECORDED, recorded=False)
         if not record:
             return None
-        found = _write(backend, key, layout, lambda found: found is None)
-    if found != layout.version and found not in layout.runs_beside:
+        found = _write(backend, key, layout, UNRECORDED, lambda found: found is None)
+    if not _shares(layout, found):
         raise _mismatch(backend, key_prefix, layout, found)
     return found
 
 
 def migrate(backend: base.Backend, key_prefix: str) -> str:
     """Record this layout's version under ``key_prefix`` (what ``celery exclusive
-    migrate`` does): over no record or an older one, never over a newer one. Says
-    what it did."""
+    migrate`` does): over no record, an older one or one that is no version, never
+    over a newer one. Says what it did."""
     layout = type(backend).layout_version
     if layout is None:
         return "this store's layout keeps no version"
     key = key_prefix + RECORD_KEY
-    before = _read(backend, key, layout)
+    before = _read(backend, key, layout, unreadable=0)
     if before is not None and before > layout.version:
         raise _mismatch(backend, key_prefix, layout, before)
-    _write(backend, key, layout, lambda found: found is None or found < layout.version)
+
+    def replaces(found: Optional[int]) -> bool:
+        return found is None or found < layout.version
+
+    _write(backend, key, layout, layout.version, replaces, unreadable=0)
     if before == layout.version:
         return f"layout {layout.name} version {layout.version} was already recorded"
     was = "no version" if before is None else f"version {before}"
     return f"layout {layout.name} version {layout.version} recorded (the store held {was})"
 
 
-def _read(backend: base.Backend, key: str, layout: LayoutVersion) -> Optional[int]:
+def _shares(layout: LayoutVersion, found: int) -> bool:
+    return found == layout.version or found in layout.runs_beside
+
+
+def _read(
+    backend: base.Backend, key: str, layout: LayoutVersion, unreadable: Optional[int] = None
+) -> Optional[int]:
+    """The version recorded, None for none; a record that is no version is refused, or
+    read as ``unreadable`` where given (by ``migrate``, which replaces it)."""
     value = backend.read_record(key, layout.name)
     if value is None:
         return None
     try:
         return int(value)
     except ValueError:
+        if unreadable is not None:
+            return unreadable
         raise LayoutMismatch(
             f"the store at {backend.safe_url} holds {value!r} as the version of its "
             f"{layout.name} layout (record {layout.name!r} of {key!r}), which is no "
@@ -122,38 +150,52 @@ def _read(backend: base.Backend, key: str, layout: LayoutVersion) -> Optional[in
         ) from None
 
 
-def _write(backend: base.Backend, key: str, layout: LayoutVersion, replaces) -> int:
-    """Write this layout's version where ``replaces(version found)``, holding the
-    record key; return the version then in force."""
+def _write(
+    backend: base.Backend,
+    key: str,
+    layout: LayoutVersion,
+    version: int,
+    replaces: Callable[[Optional[int]], bool],
+    unreadable: Optional[int] = None,
+) -> int:
+    """Write ``version`` where ``replaces(version found)``, holding the record key;
+    return the version then in force."""
     for _ in range(_WRITE_TRIES):
         lease = backend.try_acquire(
             key, uuid.uuid4().hex, _WRITE_TTL, holder={"task": "celery-exclusive layout"}
         )
         if lease is None:  # another process writes it now: read what it wrote
-            backend.wait(key, _WRITE_TTL)
-            found = _read(backend, key, layout)
+            backend.wait(key, _WAIT)
+            found = _read(backend, key, layout, unreadable)
             if found is not None and not replaces(found):
                 return found
             continue
         try:
-            found = _read(backend, key, layout)
-            if not replaces(found):
-                return found  # type: ignore[return-value]  # replaces(None) is True
-            if backend.write_record(lease, layout.name, str(layout.version)):
-                return layout.version
+            found = _read(backend, key, layout, unreadable)
+            if found is not None and not replaces(found):
+                return found
+            if backend.write_record(lease, layout.name, str(version)):
+                return version
         finally:
             backend.release(lease)
-    raise ConfigurationError(
-        f"could not record the {layout.name} layout's version at {backend.safe_url} "
-        f"(key {key!r} stayed held): release it with `celery exclusive release {key}` "
-        "if no process is starting, and start again."
+    raise BackendUnavailable(
+        f"could not record the {layout.name} layout's version at {backend.safe_url}: its "
+        f"key {key!r} stayed held for {_WRITE_TRIES * _WAIT:g}s (if no process is starting, "
+        f"free it with `celery exclusive release {key}`)",
+        backend.safe_url,
     )
 
 
 def _mismatch(
-    backend: base.Backend, key_prefix: str, layout: LayoutVersion, found: int
+    backend: base.Backend,
+    key_prefix: str,
+    layout: LayoutVersion,
+    found: int,
+    recorded: bool = True,
 ) -> LayoutMismatch:
     where = f"the store at {backend.safe_url} (key prefix {key_prefix!r})"
+    if not recorded:
+        where += " records no layout, so it"
     if found > layout.version:
         advice = (
             "its other processes run a newer celery-exclusive than this one: upgrade this "
@@ -163,7 +205,7 @@ def _mismatch(
         advice = (
             "stop every worker, beat and command of the older celery-exclusive, run "
             f"`celery exclusive --backend URL --prefix {key_prefix!r} migrate` with this "
-            "one, then start the new processes (see the operating guide: Upgrading)."
+            "one, then start the new processes (see the operating guide: Upgrade)."
         )
     return LayoutMismatch(
         f"{where} holds the {layout.name} layout version {found}, which this "

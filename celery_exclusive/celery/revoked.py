@@ -7,8 +7,9 @@ with no worker, until ``exclusive_enqueue_ttl``), the sends in between would be
 answered with a call that is never to run, and the key's newest work lost with it.
 
 So the result a send returns (:class:`ExclusiveResult`) knows its key, and its
-:meth:`~ExclusiveResult.revoke` clears the mark (only if it is still this call's) as
-soon as the revoke is broadcast. A revoke that knows only the id (``celery control
+:meth:`~ExclusiveResult.revoke` clears the mark (only if it is still this call's, and
+the call holds no lease: a revoke does not stop a call that started) as soon as the
+revoke is broadcast. A revoke that knows only the id (``celery control
 revoke``, ``AsyncResult(id).revoke()`` elsewhere) frees it when a worker reaches the
 message and drops it (:class:`~.worker.ExclusiveRequest`), as does a message that
 expired. A running call revoked with ``terminate=True`` frees its lease as its process
@@ -22,6 +23,7 @@ from typing import Any, Optional
 from celery.result import AsyncResult
 
 from ..engine import enqueue
+from ..errors import BackendUnavailable
 
 
 class ExclusiveResult(AsyncResult):  # type: ignore[misc]  # Celery ships no types
@@ -34,8 +36,15 @@ class ExclusiveResult(AsyncResult):  # type: ignore[misc]  # Celery ships no typ
 
     def revoke(self, *args: Any, **kwargs: Any) -> None:
         super().revoke(*args, **kwargs)
-        if self.exclusive_key is not None:
-            enqueue.clear(self.exclusive_task.exclusive_backend, self.exclusive_key, self.id)
+        if self.exclusive_key is None:
+            return
+        backend, key = self.exclusive_task.exclusive_backend, self.exclusive_key
+        try:
+            running = any(info.task_id == self.id for info in backend.holders_of(key))
+        except BackendUnavailable:
+            return  # the mark is freed when a worker drops the message
+        if not running:  # a revoke stops no call that started: its mark stays its own
+            enqueue.clear(backend, key, self.id)
 
 
 def keyed(result: AsyncResult, task: Any, key: str) -> AsyncResult:

@@ -74,8 +74,29 @@ class ExclusiveRequest(Request):
         it reserved goes now: its enqueue mark, what a delivery would have resumed
         with, and the run it owed a pending rerun (:mod:`.revoked`)."""
         super()._announce_revoked(reason, terminated, signum, expired)
-        if not self.time_start:  # one that ran ends through on_failure (Terminated)
-            self._release_dead_holder(acknowledged=True)
+        if not self.time_start and is_exclusive_task(self.task):
+            # (One that ran here ends through on_failure: Terminated.) In a thread: the
+            # store may be slow, and this is the consumer's loop.
+            threading.Thread(
+                target=self._free_revoked, name="celery-exclusive-revoked", daemon=True
+            ).start()
+
+    def _free_revoked(self) -> None:
+        """Free what a call dropped before it ran reserved, unless a delivery of it runs
+        or waits elsewhere (its message delivered again while the first delivery runs,
+        the copy expired or revoked here): then the call is not over."""
+        task = self.task
+        try:
+            key = task.exclusive_key_for(tuple(self.args or ()), dict(self.kwargs or {}))
+            backend = task.exclusive_backend
+            if any(info.task_id == self.id for info in backend.holders_of(key)):
+                return
+            if marks.waiting(backend, key, self.id):
+                return
+        except (ExclusiveError, TypeError) as exc:  # TypeError: arguments that never bound
+            logger.warning("could not free what revoked task %s reserved: %s", self.id, exc)
+            return
+        self._release_dead_holder(acknowledged=True)
 
     def on_failure(self, exc_info, send_failed_event: bool = True, return_ok: bool = False):
         # Every reported end but a success comes here (a retry too: Celery hands it on to

@@ -4,11 +4,12 @@ not, moved forward only by ``migrate``."""
 
 from __future__ import annotations
 
+import threading
 import uuid
 
 import pytest
 
-from celery_exclusive import LayoutMismatch
+from celery_exclusive import LayoutMismatch, runtime
 from celery_exclusive.backends import LayoutVersion, versions
 
 
@@ -100,3 +101,73 @@ def test_a_record_that_is_no_version_is_refused_naming_migrate(backend, prefix):
     record(backend, prefix, "banana")
     with pytest.raises(LayoutMismatch, match="'banana'.*migrate"):
         versions.check(backend, prefix)
+
+
+def later(backend, monkeypatch, runs_beside=frozenset()) -> LayoutVersion:
+    """Make this process's layout one version later than the store's own."""
+    layout = type(backend).layout_version
+    newer = LayoutVersion(layout.name, layout.version + 1, runs_beside=frozenset(runs_beside))
+    monkeypatch.setattr(type(backend), "layout_version", newer)
+    return newer
+
+
+def test_a_store_without_a_record_holds_version_one_to_a_later_layout(backend, prefix, monkeypatch):
+    later(backend, monkeypatch)
+    with pytest.raises(LayoutMismatch, match="records no layout.*version 1.*migrate"):
+        versions.check(backend, prefix)
+    assert recorded(backend, prefix) is None
+
+
+def test_a_later_layout_that_runs_beside_version_one_records_it_on_a_store_without_one(
+    backend, prefix, monkeypatch
+):
+    later(backend, monkeypatch, runs_beside={1})
+    assert versions.check(backend, prefix) == 1
+    assert recorded(backend, prefix) == "1"
+
+
+def test_migrate_replaces_a_record_that_is_no_version(backend, prefix):
+    record(backend, prefix, "banana")
+    assert "recorded (the store held version 0)" in versions.migrate(backend, prefix)
+    assert versions.check(backend, prefix) == own_version(backend)
+
+
+def test_processes_starting_together_record_one_version(backend, prefix):
+    found, barrier = [], threading.Barrier(4)
+
+    def start() -> None:
+        barrier.wait(10)
+        found.append(versions.check(backend, prefix))
+
+    threads = [threading.Thread(target=start) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert found == [own_version(backend)] * 4
+    assert recorded(backend, prefix) == str(own_version(backend))
+
+
+def test_a_first_write_whose_lease_was_lost_is_made_again(backend, prefix, monkeypatch):
+    write = backend.write_record
+    refused = []
+
+    def lost_once(lease, name, value):
+        if not refused:
+            refused.append(name)
+            return False  # the lease expired under the writer
+        return write(lease, name, value)
+
+    monkeypatch.setattr(backend, "write_record", lost_once)
+    assert versions.check(backend, prefix) == own_version(backend)
+    assert refused and recorded(backend, prefix) == str(own_version(backend))
+
+
+def test_a_process_reads_the_record_again_after_a_while(backend, prefix, monkeypatch):
+    assert versions.ensure(backend, prefix) == own_version(backend)
+    record(backend, prefix, str(own_version(backend) + 1))  # a newer release's migrate
+    assert versions.ensure(backend, prefix) == own_version(backend)  # not read again yet
+    after = runtime.monotonic() + versions.RECHECK_AFTER
+    monkeypatch.setattr(runtime, "monotonic", lambda: after)
+    with pytest.raises(LayoutMismatch, match="upgrade this process"):
+        versions.ensure(backend, prefix)
