@@ -97,3 +97,13 @@ def line_ids(stack, key: str) -> list[str]:
     """Every id in the line of ``key`` as the store holds it, lapsed places too."""
     line = backend_for_url(stack.store).read_mark("exclusive:" + key, LINE)
     return [entry["id"] for entry in entries_of(line)]
+
+
+def test_a_revoke_that_stops_no_running_call_leaves_its_mark_its_own(stack):
+    stack.reset()
+    running = start_holding(ledger_app.enqueued_once, "running", 2.0, stack)
+    running.revoke()  # without terminate: Celery lets a started call finish
+    assert enqueue_mark(stack, "running") == running.id
+    assert ledger_app.enqueued_once.delay("running", 0).id == running.id
+    running.get(timeout=30)
+    assert runs_of(stack, "running") == [running.id]
