@@ -104,7 +104,9 @@ def _enter(task: Any, args: tuple, kwargs: dict, body: Body) -> Any:
             mark.settled = mark.settled or isinstance(exc, Retry) or _comes_back(exc)
             raise
         finally:
-            if not mark.settled:
+            # A retry sent from a body that went on (``retry(throw=False)``) comes again
+            # under this id as well: the mark is its message's.
+            if not (mark.settled or results.retry_sent(request)):
                 enqueue.clear(task.exclusive_backend, key, request.id)
     finally:
         running.pop()

@@ -38,6 +38,16 @@ logger = logging.getLogger("celery_exclusive")
 _VERDICT = "_exclusive_result_database"
 
 
+#: The request attribute that says a retry of the call was sent while its body went on.
+RETRY_SENT = "exclusive_retry_sent"
+
+
+def retry_sent(request: Any) -> bool:
+    """Whether the body of ``request``'s call sent a retry of it and went on
+    (``retry(throw=False)``): its message comes again, and the call is not over."""
+    return bool(getattr(request, RETRY_SENT, False))
+
+
 def result_write(task: Any, key: str, result: Any) -> Optional[FinalWrite]:
     """The write that stores ``result`` as the SUCCESS of the running call of ``task``,
     made with the release of its lease on ``key`` (and, under ``exclusive_scope="both"``,
@@ -90,7 +100,7 @@ def _result_write(task: Any, key: str, result: Any) -> Optional[FinalWrite]:
         publish=True,
         keep_status=states.SUCCESS,
         clear_mark=None
-        if task.exclusive_settings.scope == "run"
+        if task.exclusive_settings.scope == "run" or retry_sent(request)
         else (key, marks.QUEUED, request.id),
     )
 

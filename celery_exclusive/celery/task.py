@@ -28,7 +28,7 @@ from ..core.lock import ExclusiveLock
 from ..engine import attempt, enqueue
 from ..engine.arguments import decode_call
 from ..errors import DuplicateSkipped, ExclusiveError
-from . import checks, execution, revoked, worker
+from . import checks, execution, results, revoked, worker
 from . import settings as app_settings
 from .execution import REQUEUES_HEADER, RedeliveredCopy  # noqa: F401 - where they were
 
@@ -308,10 +308,14 @@ class ExclusiveTask(Task):
         if handing_off:
             current.handing_off = True
         try:
-            return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+            sent = super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
         finally:
             if handing_off:
                 current.handing_off = False
+        # Sent, and the body goes on (throw=False): the call comes again under its id,
+        # so its enqueue mark stays when this run ends (results.retry_sent).
+        setattr(self.request, results.RETRY_SENT, True)
+        return sent
 
 
 class _ExclusiveRequestOf:

@@ -431,6 +431,21 @@ def test_a_retry_is_sent_while_another_call_holds_the_enqueue_mark(cluster):
     assert [e["task_id"] for e in read_ledger(cluster.ledger)] == [by_name.id, later.id]
 
 
+def test_a_body_that_sent_its_retry_and_went_on_keeps_the_mark_for_the_retry(cluster):
+    first = ledger_app.enqueued_retry_going_on.delay("going-on", 5.0)
+    assert wait_until(lambda: len(read_ledger(cluster.ledger)) == 1, timeout=20)
+    # Its run ended, but its retry is queued: a send of the key is that call's.
+    assert ledger_app.enqueued_retry_going_on.delay("going-on", 5.0).id == first.id
+    assert wait_until(lambda: len(read_ledger(cluster.ledger)) == 2, timeout=30)
+    assert [e["retries"] for e in read_ledger(cluster.ledger)] == [0, 1]
+    store = backend_for_url(cluster.store)
+    assert wait_until(lambda: store.read_mark("exclusive:going-on", marks.QUEUED) is None, 10)
+    again = ledger_app.enqueued_retry_going_on.delay("going-on", 0.1)
+    assert again.id != first.id
+    again.get(timeout=30)
+    assert wait_until(lambda: len(read_ledger(cluster.ledger)) == 4, timeout=30)  # and its retry
+
+
 def test_a_call_sent_by_name_and_requeued_is_sent_again_while_another_holds_the_mark(cluster):
     # Its requeue goes out through apply_async while the holder's enqueue mark is taken:
     # the library's own send is the same call going on, never a duplicate to refuse.

@@ -435,6 +435,20 @@ def enqueued_then_requeue(self, key: str, duration: float = 0.0) -> dict:
     bind=True,
     exclusive_key="{key}",
     exclusive_scope="enqueue",
+    max_retries=1,
+)
+def enqueued_retry_going_on(self, key: str, countdown: float) -> dict:
+    """Sends its retry and goes on (``throw=False``), once."""
+    if self.request.retries == 0:
+        self.retry(countdown=countdown, throw=False)
+    return run(self, key, 0)
+
+
+@app.task(
+    base=ExclusiveTask,
+    bind=True,
+    exclusive_key="{key}",
+    exclusive_scope="enqueue",
     max_retries=5,
 )
 def enqueued_retrying(self, key: str) -> dict:
