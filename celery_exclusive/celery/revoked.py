@@ -8,7 +8,8 @@ answered with a call that is never to run, and the key's newest work lost with i
 
 So the result a send returns (:class:`ExclusiveResult`) knows its key, and its
 :meth:`~ExclusiveResult.revoke` clears the mark (only if it is still this call's, and
-the call holds no lease: a revoke does not stop a call that started) as soon as the
+the call neither holds a lease nor waits in line: a revoke does not stop a call that
+started) as soon as the
 revoke is broadcast. A revoke that knows only the id (``celery control
 revoke``, ``AsyncResult(id).revoke()`` elsewhere) frees it when a worker reaches the
 message and drops it (:class:`~.worker.ExclusiveRequest`), as does a message that
@@ -40,10 +41,10 @@ class ExclusiveResult(AsyncResult):  # type: ignore[misc]  # Celery ships no typ
             return
         backend, key = self.exclusive_task.exclusive_backend, self.exclusive_key
         try:
-            running = any(info.task_id == self.id for info in backend.holders_of(key))
+            started = enqueue.under_way(backend, key, self.id)
         except BackendUnavailable:
             return  # the mark is freed when a worker drops the message
-        if not running:  # a revoke stops no call that started: its mark stays its own
+        if not started:  # a revoke stops no call that started: its mark stays its own
             enqueue.clear(backend, key, self.id)
 
 

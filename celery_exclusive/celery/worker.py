@@ -24,7 +24,7 @@ from celery.worker.state import active_requests, task_ready
 from kombu.utils.encoding import safe_repr, safe_str
 
 from ..core import config, kill_notes, marks, reaper
-from ..engine import attempt
+from ..engine import attempt, enqueue
 from ..errors import ConfigurationError, ExclusiveError, ExclusiveKeyError
 from . import children, execution, startup
 from .checks import is_exclusive_task
@@ -88,10 +88,7 @@ class ExclusiveRequest(Request):
         task = self.task
         try:
             key = task.exclusive_key_for(tuple(self.args or ()), dict(self.kwargs or {}))
-            backend = task.exclusive_backend
-            if any(info.task_id == self.id for info in backend.holders_of(key)):
-                return
-            if marks.waiting(backend, key, self.id):
+            if enqueue.under_way(task.exclusive_backend, key, self.id):
                 return
         except (ExclusiveError, TypeError) as exc:  # TypeError: arguments that never bound
             logger.warning("could not free what revoked task %s reserved: %s", self.id, exc)

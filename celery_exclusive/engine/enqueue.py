@@ -89,6 +89,15 @@ def keeps_mark(outcome: outcomes.Outcome) -> bool:
     return isinstance(outcome, _COMES_AGAIN)
 
 
+def under_way(backend: Backend, key: str, task_id: str) -> bool:
+    """Whether a delivery of the call ``task_id`` holds a lease on ``key`` or waits in its
+    line: it started, so it is not over for a revoke (which stops no call that started)
+    nor for a copy of its message dropped elsewhere."""
+    return any(info.task_id == task_id for info in backend.holders_of(key)) or marks.waiting(
+        backend, key, task_id
+    )
+
+
 def clear(backend: Backend, key: str, task_id: str) -> None:
     """The call ``task_id`` is over: clear the enqueue mark of ``key`` if it is its own."""
     try:

@@ -435,6 +435,17 @@ def enqueued_then_requeue(self, key: str, duration: float = 0.0) -> dict:
     bind=True,
     exclusive_key="{key}",
     exclusive_scope="enqueue",
+    exclusive_on_duplicate="wait",
+)
+def enqueued_wait(self, key: str, duration: float = 0.0) -> dict:
+    return run(self, key, duration)
+
+
+@app.task(
+    base=ExclusiveTask,
+    bind=True,
+    exclusive_key="{key}",
+    exclusive_scope="enqueue",
     max_retries=1,
 )
 def enqueued_retry_going_on(self, key: str, countdown: float) -> dict:
