@@ -46,6 +46,15 @@ def runs_of(stack, key: str) -> list[str]:
     return [e["task_id"] for e in read_ledger(stack.ledger) if e["key"] == key]
 
 
+def sent_again_and_run(stack, key: str, revoked) -> None:
+    """A new send of ``key`` is a call of its own (not answered with the revoked one),
+    and it alone runs."""
+    again = ledger_app.enqueued_once.delay(key, 0)
+    assert again.id != revoked.id
+    again.get(timeout=30)
+    assert runs_of(stack, key) == [again.id]
+
+
 def test_a_revoked_call_frees_its_enqueue_mark_at_once(stack, busy):
     first = ledger_app.enqueued_once.delay("report", 0)
     assert enqueue_mark(stack, "report") == first.id
@@ -63,20 +72,14 @@ def test_a_call_revoked_by_its_id_alone_frees_its_mark_when_the_worker_drops_it(
     ledger_app.app.AsyncResult(first.id).revoke()  # a result that knows only the id
     assert wait_until(lambda: first.state == states.REVOKED, timeout=30)
     assert wait_until(lambda: enqueue_mark(stack, "export") is None, timeout=10)
-    again = ledger_app.enqueued_once.delay("export", 0)
-    assert again.id != first.id
-    again.get(timeout=30)
-    assert runs_of(stack, "export") == [again.id]
+    sent_again_and_run(stack, "export", first)
 
 
 def test_a_call_whose_message_expired_frees_its_mark(stack, busy):
     first = ledger_app.enqueued_once.apply_async(("digest", 0), expires=0.5)
     assert wait_until(lambda: first.state == states.REVOKED, timeout=30)
     assert wait_until(lambda: enqueue_mark(stack, "digest") is None, timeout=10)
-    again = ledger_app.enqueued_once.delay("digest", 0)
-    assert again.id != first.id
-    again.get(timeout=30)
-    assert runs_of(stack, "digest") == [again.id]
+    sent_again_and_run(stack, "digest", first)
 
 
 def test_a_waiting_call_revoked_with_terminate_leaves_the_line_at_once(stack):
@@ -107,3 +110,19 @@ def test_a_revoke_that_stops_no_running_call_leaves_its_mark_its_own(stack):
     assert ledger_app.enqueued_once.delay("running", 0).id == running.id
     running.get(timeout=30)
     assert runs_of(stack, "running") == [running.id]
+
+
+def test_a_revoke_leaves_the_mark_of_a_call_waiting_in_line_its_own(stack):
+    stack.reset()
+    # The holder, sent by name, holds no enqueue mark: the waiter's send takes it.
+    holder = ledger_app.app.send_task(ledger_app.enqueued_wait.name, args=("queue", 3.0))
+    assert wait_until(lambda: stack.holders("queue"), timeout=15)
+    waiter = ledger_app.enqueued_wait.delay("queue", 0)
+    backend = backend_for_url(stack.store)
+    assert wait_until(lambda: marks.waiting(backend, "exclusive:queue", waiter.id), timeout=15)
+    waiter.revoke()  # without terminate: the waiting call goes on
+    assert enqueue_mark(stack, "queue") == waiter.id
+    assert ledger_app.enqueued_wait.delay("queue", 0).id == waiter.id
+    holder.get(timeout=30)
+    waiter.get(timeout=30)
+    assert runs_of(stack, "queue") == [holder.id, waiter.id]
