@@ -427,10 +427,7 @@ class Attempt:
             return Unlocked(UnlockedLease(call.key, call.name, call.task_id, str(exc)))
         if not host.can_requeue:
             return outcomes.Unanswered(call.key, exc)
-        countdown = policies.requeue_delay(call.settings, call.requeues)
-        reason = "the lease store did not answer"
-        requeue = outcomes.Requeue(call.key, countdown, reason, "unanswered", call.requeues + 1)
-        requeue = _resumed(dataclasses.replace(requeue, as_of=self.as_of), taken)
+        requeue = _resumed(self._unusable_store("the lease store did not answer"), taken)
         ended = self._requeue(requeue)
         if isinstance(ended, outcomes.Requeue):
             logger.warning("%s -- requeued (%s='requeue')", message, setting)
@@ -444,14 +441,19 @@ class Attempt:
         whatever ``on_backend_error`` says, and goes back to the queue for a process
         of that layout (given up after ``requeue_max_retries``); with no queue to go
         back to, the caller gets the error."""
-        call = self.call
         logger.error("%s: not run by this process: %s", self._label(), exc)
         if not self.host.can_requeue:
             raise exc
-        countdown = policies.requeue_delay(call.settings, call.requeues)
         reason = "this process cannot share the lease store's layout"
+        return self._requeue(self._unusable_store(reason))
+
+    def _unusable_store(self, reason: str) -> outcomes.Requeue:
+        """The call back to the queue because the lease store cannot be used now, after
+        the delay its requeues so far give it."""
+        call = self.call
+        countdown = policies.requeue_delay(call.settings, call.requeues)
         requeue = outcomes.Requeue(call.key, countdown, reason, "unanswered", call.requeues + 1)
-        return self._requeue(dataclasses.replace(requeue, as_of=self.as_of))
+        return dataclasses.replace(requeue, as_of=self.as_of)
 
     def _label(self) -> str:
         """The call as log lines name it: its task and id, or how it was called."""

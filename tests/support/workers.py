@@ -27,6 +27,8 @@ class LoggedProcess:
         self.args = args
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
         self.log = Path(tempfile.mkstemp(prefix=f"{name}-", suffix=".log")[1])
+        #: Where it runs: the repository, whose test support it imports.
+        self.cwd = ROOT
         self.process: subprocess.Popen | None = None
 
     @property
@@ -40,7 +42,7 @@ class LoggedProcess:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=self.env,
-                cwd=ROOT,
+                cwd=self.cwd,
                 start_new_session=True,
             )
         if wait and self.ready_text:

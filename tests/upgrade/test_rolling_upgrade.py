@@ -28,7 +28,6 @@ import json
 import random
 import shutil
 import signal
-import subprocess
 import threading
 import time
 import uuid
@@ -68,20 +67,6 @@ class PreviousReleaseWorker(Worker):
         self.args[0] = str(release.python)
         self.env = {**release.env(pythonpath=app_dir), **env}
         self.cwd = app_dir
-
-    def start(self, wait: bool = True):
-        with open(self.log, "wb") as out:
-            self.process = subprocess.Popen(
-                self.args,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                cwd=self.cwd,
-                start_new_session=True,
-            )
-        if wait:
-            self.wait_for_log(self.ready_text, timeout=60)
-        return self
 
 
 class Producer(threading.Thread):
