@@ -150,15 +150,18 @@ def test_a_producer_meeting_a_newer_layout_is_refused_at_its_first_deduplicated_
         settle.delay(1)
 
 
+@pytest.mark.parametrize("on_backend_error", ["requeue", "run"])
 def test_a_worker_that_meets_a_newer_layout_after_its_start_never_runs_a_call(
-    redis_server, client_dbs, tmp_path_factory
+    redis_server, client_dbs, tmp_path_factory, on_backend_error
 ):
     # The store does not answer as the worker starts; once it does, it holds a layout
-    # this worker cannot share: its calls go back to the queue, never run here.
+    # this worker cannot share: its calls go back to the queue, never run here, not even
+    # where a store that does not answer would let them run unlocked.
     store = RedisServer()
     try:
         stack = Stack(redis_server, *client_dbs, store.url, tmp_path_factory)
-        with stack.running(stack.worker("w1", concurrency=1)) as running:
+        worker = stack.worker("w1", {"on_backend_error": on_backend_error}, concurrency=1)
+        with stack.running(worker) as running:
             [worker] = running.workers
             store.start()
             record_layout(store.url, "exclusive:", 99)
