@@ -100,13 +100,15 @@ def _enter(task: Any, args: tuple, kwargs: dict, body: Body) -> Any:
             return value
         except BaseException as exc:
             # The same task id comes back (a retry from the body, a message it handed back)
-            # or the outcome says the mark is another delivery's: still queued.
-            mark.settled = mark.settled or isinstance(exc, Retry) or _comes_back(exc)
+            # or the outcome says the mark is another delivery's: still queued. Not a
+            # retry sent for another key: its mark there is the retry's, this one nobody's.
+            retried = isinstance(exc, Retry) and not results.retry_moved(request, key)
+            mark.settled = mark.settled or retried or _comes_back(exc)
             raise
         finally:
             # A retry sent from a body that went on (``retry(throw=False)``) comes again
             # under this id as well: the mark is its message's.
-            if not (mark.settled or results.retry_sent(request)):
+            if not (mark.settled or results.retry_sent(request, key)):
                 enqueue.clear(task.exclusive_backend, key, request.id)
     finally:
         running.pop()

@@ -38,14 +38,23 @@ logger = logging.getLogger("celery_exclusive")
 _VERDICT = "_exclusive_result_database"
 
 
-#: The request attribute that says a retry of the call was sent while its body went on.
+#: The request attribute that holds the key a retry of the call was sent for, once its
+#: body sent one (:meth:`~celery_exclusive.ExclusiveTask.retry`).
 RETRY_SENT = "exclusive_retry_sent"
 
 
-def retry_sent(request: Any) -> bool:
-    """Whether the body of ``request``'s call sent a retry of it and went on
-    (``retry(throw=False)``): its message comes again, and the call is not over."""
-    return bool(getattr(request, RETRY_SENT, False))
+def retry_sent(request: Any, key: str) -> bool:
+    """Whether the body of ``request``'s call sent a retry of it for ``key``: that
+    message comes again under its id, so the call's enqueue mark of ``key`` is the
+    retry's (a body that goes on after ``retry(throw=False)`` leaves it too)."""
+    return getattr(request, RETRY_SENT, None) == key
+
+
+def retry_moved(request: Any, key: str) -> bool:
+    """Whether the body of ``request``'s call sent its retry for another key than
+    ``key`` (its arguments changed the key): the mark of ``key`` is nobody's then."""
+    sent = getattr(request, RETRY_SENT, None)
+    return sent is not None and sent != key
 
 
 def result_write(task: Any, key: str, result: Any) -> Optional[FinalWrite]:
@@ -100,7 +109,7 @@ def _result_write(task: Any, key: str, result: Any) -> Optional[FinalWrite]:
         publish=True,
         keep_status=states.SUCCESS,
         clear_mark=None
-        if task.exclusive_settings.scope == "run" or retry_sent(request)
+        if task.exclusive_settings.scope == "run" or retry_sent(request, key)
         else (key, marks.QUEUED, request.id),
     )
 

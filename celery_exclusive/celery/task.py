@@ -16,6 +16,7 @@ from typing import Any, Optional, Union
 
 from celery import Task
 from celery.app.task import Context
+from celery.exceptions import Retry
 from kombu.utils.imports import symbol_by_name
 from kombu.utils.uuid import uuid
 
@@ -309,13 +310,28 @@ class ExclusiveTask(Task):
             current.handing_off = True
         try:
             sent = super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+        except Retry as retry:
+            self._retry_went_out(retry)
+            raise
         finally:
             if handing_off:
                 current.handing_off = False
-        # Sent, and the body goes on (throw=False): the call comes again under its id,
-        # so its enqueue mark stays when this run ends (results.retry_sent).
-        setattr(self.request, results.RETRY_SENT, True)
+        # Sent, and the body goes on (throw=False).
+        self._retry_went_out(sent)
         return sent
+
+    def _retry_went_out(self, retry: Retry) -> None:
+        """Note the key the retry was sent for: the call comes again under its id there,
+        so its enqueue mark of that key stays when this run ends, and a mark of another
+        key (the retry's arguments changed it) is cleared (:mod:`.results`)."""
+        signature = retry.sig
+        if signature is None or self.exclusive_settings.scope == "run":
+            return
+        try:
+            key = self.exclusive_key_for(tuple(signature.args or ()), dict(signature.kwargs or {}))
+        except ExclusiveError:  # its run names the error; the mark here expires
+            return
+        setattr(self.request, results.RETRY_SENT, key)
 
 
 class _ExclusiveRequestOf:

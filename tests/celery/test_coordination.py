@@ -446,6 +446,31 @@ def test_a_body_that_sent_its_retry_and_went_on_keeps_the_mark_for_the_retry(clu
     assert wait_until(lambda: len(read_ledger(cluster.ledger)) == 4, timeout=30)  # and its retry
 
 
+@pytest.mark.parametrize("going_on", [False, True], ids=["raised", "going-on"])
+def test_a_retry_sent_for_another_key_leaves_no_mark_on_the_first(cluster, going_on):
+    retrying = ledger_app.enqueued_retry_elsewhere
+    first = retrying.delay(f"before-{going_on}", f"after-{going_on}", 5.0, going_on)
+    assert wait_until(lambda: len(read_ledger(cluster.ledger)) == going_on, timeout=20)
+    store = backend_for_url(cluster.store)
+    after, before = f"exclusive:after-{going_on}", f"exclusive:before-{going_on}"
+    assert wait_until(lambda: store.read_mark(after, marks.QUEUED) == first.id, timeout=20)
+    # The first key's call is over once its run ended: a send of it is a new call,
+    # while the retry, queued for the other key, still holds that one.
+    assert wait_until(lambda: store.read_mark(before, marks.QUEUED) is None, timeout=10)
+    again = retrying.delay(f"before-{going_on}", f"before-{going_on}", 0.1, False)
+    assert again.id != first.id
+    assert retrying.delay(f"after-{going_on}", "elsewhere", 0.1, False).id == first.id
+    again.get(timeout=30)
+
+    def ran() -> list[tuple[str, str]]:
+        return [(e["task_id"], e["key"]) for e in read_ledger(cluster.ledger)]
+
+    # The retry runs on its key once (a body that went on ran on the first key before).
+    assert wait_until(lambda: (first.id, f"after-{going_on}") in ran(), timeout=30), ran()
+    assert (again.id, f"before-{going_on}") in ran()
+    assert [run[0] for run in ran()].count(first.id) == 1 + going_on
+
+
 def test_a_call_sent_by_name_and_requeued_is_sent_again_while_another_holds_the_mark(cluster):
     # Its requeue goes out through apply_async while the holder's enqueue mark is taken:
     # the library's own send is the same call going on, never a duplicate to refuse.

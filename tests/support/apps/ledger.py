@@ -460,6 +460,24 @@ def enqueued_retry_going_on(self, key: str, countdown: float) -> dict:
     bind=True,
     exclusive_key="{key}",
     exclusive_scope="enqueue",
+    max_retries=1,
+)
+def enqueued_retry_elsewhere(self, key: str, then: str, countdown: float, going_on: bool) -> dict:
+    """Sends its retry once, for the key ``then``: raised, or (``going_on``) with
+    ``throw=False``, its body then going on."""
+    if self.request.retries == 0:
+        retry_args = (then, then, countdown, going_on)
+        if not going_on:
+            raise self.retry(args=retry_args, countdown=countdown)
+        self.retry(args=retry_args, countdown=countdown, throw=False)
+    return run(self, key, 0)
+
+
+@app.task(
+    base=ExclusiveTask,
+    bind=True,
+    exclusive_key="{key}",
+    exclusive_scope="enqueue",
     max_retries=5,
 )
 def enqueued_retrying(self, key: str) -> dict:
