@@ -183,6 +183,10 @@ class Capabilities:
     #: :meth:`Connection.append_events` and :meth:`Connection.read_events`: a capped log
     #: of the store's own for the operators' feed (else the feed is kept as a mark).
     event_log: bool = False
+    #: :meth:`Backend.renew` gives each lease its own ttl, whatever it was granted with:
+    #: a run's lease is kept for a while after it (a uniqueness window). Stores whose
+    #: leases live as long as a session or lease granted once (etcd, Consul) cannot.
+    windows: bool = False
 
 
 #: Who needs each capability, for the error a store without it gives.
@@ -192,6 +196,7 @@ NEEDED_BY = {
     "marks": "the wait and rerun policies, exclusive_priority and exclusive_scope='enqueue'",
     "final_writes": "a result stored with the release of its lease",
     "event_log": "the operators' feed kept in a log of the store's own",
+    "windows": "exclusive_unique_for (a window after the run, its lease kept that long)",
 }
 
 #: The methods each capability brings, beyond those every store has: on the store's

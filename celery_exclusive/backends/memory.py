@@ -94,7 +94,7 @@ _stores_lock = runtime.Lock()
 
 
 class MemoryBackend(Backend):
-    capabilities = Capabilities(limits=True, records=True, marks=True)
+    capabilities = Capabilities(limits=True, records=True, marks=True, windows=True)
     layout_version = LayoutVersion("memory", 1)
 
     def __init__(self, url: str) -> None:

@@ -23,6 +23,8 @@ from celery.worker.request import Request
 from celery.worker.state import active_requests, task_ready
 from kombu.utils.encoding import safe_repr, safe_str
 
+from ..backends import backend_for_url
+from ..backends.base import require
 from ..core import config, kill_notes, marks, reaper
 from ..engine import attempt, enqueue
 from ..errors import ConfigurationError, ExclusiveError, ExclusiveKeyError
@@ -289,11 +291,14 @@ class CheckExclusiveSettings(bootsteps.Step):
 def check_tasks_and_stores(app) -> None:
     """Resolve and check the settings and key of every ExclusiveTask of ``app``, then
     each lease store they use, once per store and key prefix."""
-    settings = [
-        task.exclusive_settings  # checks the key format too
-        for task in app.tasks.values()
-        if is_exclusive_task(task)
-    ]
+    tasks = [task for task in app.tasks.values() if is_exclusive_task(task)]
+    settings = [task.exclusive_settings for task in tasks]  # checks the key format too
+    for task, one in zip(tasks, settings):
+        if one.unique_for:
+            try:
+                require(backend_for_url(one.backend_url), "windows")
+            except ConfigurationError as exc:
+                raise ConfigurationError(f"task {task.name}: {exc}") from None
     startup.check_stores(app, settings, _meanwhile)
 
 

@@ -53,6 +53,7 @@ RerunArgs = Literal["latest", "first"]
 Scope = Literal["run", "enqueue", "both"]
 SkipState = Literal["failure", "success"]
 TraceKeys = Literal["hash", "prefix", "key"]
+UniqueAfter = Literal["success", "end"]
 
 ON_DUPLICATE: tuple[str, ...] = get_args(OnDuplicate)
 ON_BACKEND_ERROR: tuple[str, ...] = get_args(OnBackendError)
@@ -61,6 +62,7 @@ RERUN_ARGS: tuple[str, ...] = get_args(RerunArgs)
 SCOPES: tuple[str, ...] = get_args(Scope)
 SKIP_STATES: tuple[str, ...] = get_args(SkipState)
 TRACE_KEYS: tuple[str, ...] = get_args(TraceKeys)
+UNIQUE_AFTER: tuple[str, ...] = get_args(UniqueAfter)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +134,14 @@ class Settings:
     #: key), "prefix" (the key prefix and the key's part before its first ":", as
     #: "exclusive:invoice:") or "key" (the key itself). See the tracing how-to.
     trace_keys: TraceKeys = "hash"
+    #: Seconds the key stays taken after a run of it ends (a uniqueness window: Oban's
+    #: ``unique period``, Sidekiq's ``unique_for``): the run's lease is kept that long,
+    #: then lapses, and a call meeting it is a duplicate under ``on_duplicate``. 0: the
+    #: key is free as the run ends. Needs a store with the ``windows`` capability.
+    unique_for: float = 0.0
+    #: Which runs keep the window: "success" (a run that raised frees the key at once,
+    #: so that a call sent again after a fix runs) or "end" (every run, whatever it did).
+    unique_after: UniqueAfter = "success"
 
 
 #: Every setting's name: the one list that task attributes, app settings and the RQ
@@ -338,6 +348,7 @@ def _check(owner: str, settings: Settings, describe: Callable[[str, Any], str]) 
         ("scope", SCOPES),
         ("skip_state", SKIP_STATES),
         ("trace_keys", TRACE_KEYS),
+        ("unique_after", UNIQUE_AFTER),
     ):
         value = getattr(settings, name)
         if value not in choices:
@@ -351,6 +362,7 @@ def _check(owner: str, settings: Settings, describe: Callable[[str, Any], str]) 
         "requeue_max_delay",
         "enqueue_ttl",
         "terminate_grace",
+        "unique_for",
     ):
         value = getattr(settings, name)
         try:

@@ -188,6 +188,17 @@ class Heartbeat:
                 state.leases.discard(lease)
                 state.unrenewed.discard(lease)
 
+    def settle(self, lease: WatchedLease, timeout: float) -> None:
+        """Return once no renewal of ``lease`` is in flight, or after ``timeout``: one
+        sent before :meth:`discard` and applied after a change of the lease's ttl (a
+        window kept after its run) would undo the change."""
+        with self._lock:
+            state = self._stores.get(lease.backend)
+            flights = [r for r in state.in_flight if lease in r.leases] if state else []
+        until = runtime.monotonic() + timeout
+        for renewal in flights:
+            renewal.done.wait(max(0.0, until - runtime.monotonic()))
+
     def held(self) -> list[WatchedLease]:
         with self._lock:
             return [lease for state in self._stores.values() for lease in state.leases]

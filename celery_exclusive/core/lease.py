@@ -68,6 +68,8 @@ class HeldLease:
         self.ended_at: Optional[float] = None
         #: Whether the release made its end's write (the body's result, stored with it).
         self.written = False
+        #: Seconds the store keeps it after its run (:meth:`keep_for`), once it said so.
+        self.kept_for: Optional[float] = None
         self._listeners: list[LossListener] = []
         self._loss_lock = runtime.Lock()
         #: Set once the loss has been logged, signalled and told to the listeners; the
@@ -225,6 +227,41 @@ class HeldLease:
         finally:
             if self.released:
                 keeper().forget(self)
+
+    def keep_for(self, seconds: float) -> bool:
+        """End the lease's renewals but not the lease: the key stays held for ``seconds``
+        from now, then lapses (``exclusive_unique_for``: a window after the run). One
+        renewal with that ttl, never a release; a store whose renewals cannot take
+        another ttl has no ``windows`` capability. Returns whether the store still had
+        the lease and keeps it so; a store that does not answer leaves it to lapse at
+        its own ttl, which a WARNING says."""
+        if self.released:
+            return False
+        self._stop_renewing()
+        try:
+            # After any renewal in flight has ended: applied later, it would set the ttl
+            # back. Its answer may come after the deadline (a slow store): up to a ttl.
+            heartbeat().settle(self, self.ttl)
+            kept = dataclasses.replace(self.grant, ttl=seconds)
+            try:
+                lost = self.backend.renew([kept])
+            except ExclusiveError as exc:
+                logger.warning(
+                    "lease of key=%s task_id=%s could not be kept for its window of %gs "
+                    "(%s): the key frees when its lease lapses, within %.1fs",
+                    self.key,
+                    self.task_id,
+                    seconds,
+                    exc,
+                    self.ttl,
+                )
+                return False
+            self._given_back(not lost)
+            if not lost:
+                self.kept_for = seconds
+            return not lost
+        finally:
+            keeper().forget(self)
 
     def _mark_on_its_own(self, mark: MarkSwap) -> bool:
         """Swap an end's mark apart from the release; True if it holds ``new`` now."""

@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional, Union
 
 from .. import telemetry
 from ..backends import Backend, End, FinalWrite, MarkSwap, versions
+from ..backends.base import require
 from ..core import marks, outcomes, policies, terminate
 from ..core.config import Settings
 from ..core.lease import HeldLease, UnlockedLease
@@ -290,6 +291,8 @@ class Attempt:
         if call.resumed and settings.on_duplicate == "skip":
             settings = dataclasses.replace(settings, on_duplicate="requeue")
         rerun = settings.on_duplicate == "rerun" and bool(call.task_id)
+        if settings.unique_for:
+            require(call.backend, "windows", call.key)
         try:
             versions.ensure(call.backend, settings.key_prefix)
         except BackendUnavailable as exc:
@@ -587,10 +590,14 @@ class Attempt:
 
     # --- the end ---------------------------------------------------------------------------
 
-    def finish(self, ended: bool = True, write: Optional[FinalWrite] = None) -> None:
+    def finish(
+        self, ended: bool = True, write: Optional[FinalWrite] = None, failed: bool = False
+    ) -> None:
         """Release the lease; first, if the attempt ended and its message may come
         again, record that it ended. With ``write`` (the body's result, as the host
-        stores it), make it in the same step, only if the lease was still held.
+        stores it), make it in the same step, only if the lease was still held. A run
+        that ended (``failed``: by raising) under ``unique_for`` keeps the lease for
+        its window instead (:meth:`_keep_window`).
 
         The record (a finished mark per task id, kept past the time a copy may still
         arrive) is written while the lease is still held, so a copy of the message
@@ -599,9 +606,36 @@ class Attempt:
         lease = self.lease
         if not isinstance(lease, HeldLease) or lease.released:
             return
-        self._release(lease, ended, write)
+        settings = self.call.settings
+        if (
+            ended
+            and settings.unique_for
+            and not lease.lost
+            and not (failed and settings.unique_after == "success")
+        ):
+            self._keep_window(lease, settings.unique_for)
+        else:
+            self._release(lease, ended, write)
         if ended:
             self._drop_resume()
+
+    def _keep_window(self, lease: HeldLease, seconds: float) -> None:
+        """The run's uniqueness window: its end recorded as a release records it, then
+        its lease kept for ``seconds`` and left to lapse. Its result is the host's to
+        store (no release carries it)."""
+        call = self.call
+        if self.host.redelivery and call.task_id:
+            try:
+                self._mark_finished(lease)
+            except ExclusiveError as exc:
+                logger.warning(
+                    "could not record that %s[%s] ended (%s): a copy of its message "
+                    "delivered again after its window may run it once more",
+                    call.name,
+                    call.task_id,
+                    exc,
+                )
+        lease.keep_for(seconds)
 
     def handed_off(self) -> None:
         """The call's next attempt went out (:func:`hand_off`): this one has ended, and
@@ -857,7 +891,8 @@ class _Holding:
         finally:
             if not self.finished:
                 self.finished = True
-                self.attempt.finish(self._ended(error), None if error else self.write)
+                ended = self._ended(error)
+                self.attempt.finish(ended, None if error else self.write, error is not None)
 
     def _ended(self, error: Optional[BaseException]) -> bool:
         """Whether the block's exit ends the attempt: not when the call runs again (its

@@ -42,6 +42,7 @@ from ..core.config import (
     OnLeaseLost,
     RerunArgs,
     TraceKeys,
+    UniqueAfter,
     unanswered_in_process,
 )
 from ..core.keys import KeySpec, build_key, check_key_spec
@@ -103,6 +104,8 @@ def exclusive(
     rerun_args: Optional[RerunArgs] = None,
     priority: Optional[bool] = None,
     trace_keys: Optional[TraceKeys] = None,
+    unique_for: Optional[float] = None,
+    unique_after: Optional[UniqueAfter] = None,
 ) -> Callable[[F], F]: ...
 
 

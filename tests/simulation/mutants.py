@@ -305,6 +305,21 @@ MUTANTS = [
         beat=True,
     ),
     Mutant(
+        "window-not-kept",
+        "a run under unique_for gives its key back as it ends instead of keeping it",
+        "engine/attempt.py",
+        "            self._keep_window(lease, settings.unique_for)",
+        "            self._release(lease, ended, write)",
+    ),
+    Mutant(
+        "window-kept-from-the-grant",
+        "the window is counted from the run's grant, not its end",
+        "core/lease.py",
+        "            kept = dataclasses.replace(self.grant, ttl=seconds)",
+        "            since = runtime.monotonic() - self.acquired_at\n"
+        "            kept = dataclasses.replace(self.grant, ttl=max(0.001, seconds - since))",
+    ),
+    Mutant(
         "beat-admits-every-tick",
         "the leader sends what its scheduler says is due, whatever the record shows",
         "beat/scheduler.py",

@@ -111,7 +111,7 @@ def _step(what: str) -> str:
 class LinkedStore(Backend):
     """One process's client of the shared store, over a link that misbehaves."""
 
-    capabilities = Capabilities(limits=True, records=True, marks=True)
+    capabilities = Capabilities(limits=True, records=True, marks=True, windows=True)
 
     def __init__(self, shared: SharedStore, rng: random.Random, label: str) -> None:
         super().__init__(f"memory://{shared.memory.url.split('//')[1]}")

@@ -53,8 +53,9 @@ TASK = "sim.work"
 #: process's link and kills right after a store call (drawn from a stream of their own,
 #: so a seed of version 1 without them keeps its schedule); 3: also calls sent through
 #: the task's ``apply_async`` under ``scope="enqueue"``/``"both"`` (beside calls sent by
-#: name, which bypass it) and bodies that call ``retry()`` (a stream of their own too).
-FAULTS = 3
+#: name, which bypass it) and bodies that call ``retry()`` (a stream of their own too);
+#: 4: also a uniqueness window after each run (``unique_for``) on keys of one holder.
+FAULTS = 4
 #: The store calls after which a step kill may land.
 STEPS = (
     "try_acquire",
@@ -125,6 +126,8 @@ class Config:
     #: The chance that a process sending its retry is killed at each step of the send
     #: (once its lease went back; once its message went out).
     handoff_kills: float = 0.0
+    #: Seconds a key stays taken after a run of it ends (limit 1 only).
+    unique_for: float = 0.0
 
     def settings(self) -> Settings:
         return Settings(
@@ -142,6 +145,7 @@ class Config:
             terminate_grace=self.terminate_grace,
             on_backend_error=self.on_backend_error,  # type: ignore[arg-type]
             scope=self.scope,  # type: ignore[arg-type]
+            unique_for=self.unique_for,
         )
 
 
@@ -214,6 +218,9 @@ def _with_later_draws(config: Config, seed: int, faults: int) -> Config:
             retrying=chance.choice([0.0, 0.0, 0.1, 0.3]),
             handoff_kills=chance.choice([0.0, 0.0, 0.3]) if faulty else 0.0,
         )
+    if faults >= 4 and config.limit == 1:
+        chance = random.Random(seed * 7919 + 23)
+        config = dataclasses.replace(config, unique_for=chance.choice([0.0, 0.0, 1.0, 4.0]))
     return config
 
 
@@ -322,6 +329,17 @@ class World(Traced):
         #: Sends refused at enqueue: task id -> (when, key, the call named instead).
         self.refused: dict[str, tuple[float, str, str]] = {}
         self.handoff_chance = random.Random(seed * 7919 + 21)  # the third world's
+        config = self.config
+        #: No fault of any kind is drawn: every store call is answered.
+        self.faultless = config.link == LinkFaults() and not (
+            config.kills
+            or config.pauses
+            or config.outages
+            or config.partitions
+            or config.step_kills
+            or config.lost_acks
+            or config.handoff_kills
+        )
 
     # --- the run -----------------------------------------------------------------------
 
@@ -602,6 +620,7 @@ class World(Traced):
         body = Body(
             task_id, key, version, self.scheduler.running_process(), lease, self.scheduler.now
         )
+        self._check_window(body)
         self.bodies.append(body)
         self.note(
             f"body {task_id} v{version} starts, token {getattr(lease, 'fencing_token', None)}"
@@ -629,6 +648,30 @@ class World(Traced):
         finally:
             body.ended = self.scheduler.now
             self.note(f"body {task_id} v{version} ends: {body.how}")
+
+    def _check_window(self, body: Body) -> None:
+        """A body starts no sooner than ``unique_for`` after the end of the key's last run
+        whose lease the store said it keeps for its window."""
+        window = self.config.unique_for
+        if not window or not isinstance(body.lease, HeldLease):
+            return
+        for before in reversed(self.bodies):
+            if before.key != body.key or before.ended is None:
+                continue
+            # Kept, as the store said; or certainly kept: a run that returned in a world
+            # without faults (no store call can fail there). Not once its process died:
+            # its worker frees what a dead process held, not knowing its run had ended.
+            kept = getattr(before.lease, "kept_for", None) or (
+                self.faultless and before.how == "returned" and not before.lease.lost
+            )
+            kept = kept and before.process.alive
+            if kept and body.started < before.ended + window - 1e-9:
+                raise Violation(
+                    f"body {body.task_id} starts on {body.key!r} at {body.started:.3f}, "
+                    f"within the window of {window}s after {before.task_id}'s run ended at "
+                    f"{before.ended:.3f}"
+                )
+            return
 
     def _retry(self, message: Message) -> None:
         """The body calls ``retry()``, as ExclusiveTask's ``retry`` and ``apply_async``
@@ -970,7 +1013,14 @@ class World(Traced):
         """Whether ``body`` ran to its end and that end was recorded: its call's outcome
         reached the host, or the store applied the release of its lease (which carries
         the record), even if its process died before it could say so."""
-        return body.completed or (body.how == "returned" and self._freed_by(body, float("inf")))
+        if body.completed or body.how != "returned":
+            return body.completed
+        if self._freed_by(body, float("inf")):
+            return True
+        # Under unique_for the run's lease is kept, not released: its end is recorded
+        # on its own (the finished mark of its task id), before the lease is kept.
+        mark = self.store.memory.read_mark(marks.finished_key(body.key, body.task_id), marks.DONE)
+        return bool(self.config.unique_for) and mark is not None and int(mark) >= 0
 
     def _freed_by(self, body: Body, when: float) -> bool:
         """Whether the store had applied the release of ``body``'s lease by ``when``."""

@@ -127,7 +127,7 @@ _PREFIX = "substring(key FROM 1 FOR %(length)s) = %(prefix)s"
 class PostgreSQLBackend(Backend):
     """Leases as rows of the store's tables (see the module docstring)."""
 
-    capabilities = Capabilities(limits=True, records=True, marks=True)
+    capabilities = Capabilities(limits=True, records=True, marks=True, windows=True)
     layout_version = LayoutVersion("postgresql", 1)
     connection_class = PostgreSQLConnection
     recipes = {"advisory": "celery_exclusive.backends.postgresql.recipe:AdvisoryBackend"}

@@ -35,7 +35,12 @@ class RedisBackend(Backend):
     """Leases, fences, lines, marks and records, each key's in one hash slot."""
 
     capabilities = Capabilities(
-        limits=True, records=True, marks=True, final_writes=True, event_log=True
+        limits=True,
+        records=True,
+        marks=True,
+        final_writes=True,
+        event_log=True,
+        windows=True,
     )
     layout_version = LayoutVersion("redis", 1)
     connection_class = RedisConnection

@@ -173,7 +173,9 @@ class SetNxBackend(Backend):
     """The Redis store speaking the ``SET NX PX`` recipe (see the module docstring)."""
 
     recipe = "set-nx"
-    capabilities = Capabilities(records=True, marks=True, final_writes=True, event_log=True)
+    capabilities = Capabilities(
+        records=True, marks=True, final_writes=True, event_log=True, windows=True
+    )
     layout_version = LayoutVersion("redis+set-nx", 1)
     connection_class = RedisConnection
     connection: RedisConnection

@@ -97,7 +97,7 @@ def path_from_url(url: str) -> str:
 
 
 class SQLiteBackend(Backend):
-    capabilities = Capabilities(limits=True, records=True, marks=True)
+    capabilities = Capabilities(limits=True, records=True, marks=True, windows=True)
     layout_version = LayoutVersion("sqlite", 1)
 
     def __init__(self, url: str) -> None:

@@ -491,3 +491,36 @@ def hold_in_steps(self, key: str, duration: float) -> dict:
     """Hold ``key`` for ``duration`` seconds in short sleeps; each run notes in the
     ledger whether it completed or was stopped (by the loss of its lease)."""
     return steps(key, duration, self.lease, task_id=self.request.id)
+
+
+#: The uniqueness window of the windowed tasks below (seconds after a run ends).
+WINDOW = 2.0
+
+
+def _windowed_task(name: str, **options):
+    @app.task(
+        name=f"ledger.windowed_{name}",
+        base=ExclusiveTask,
+        bind=True,
+        exclusive_key="{key}",
+        exclusive_unique_for=WINDOW,
+        exclusive_requeue_delay=0.2,
+        exclusive_requeue_max_delay=0.5,
+        **options,
+    )
+    def windowed(self, key: str, duration: float = 0.0, fail: bool = False) -> dict:
+        """A ledger run; then, with ``fail``, it raises."""
+        entry = run(self, key, duration)
+        if fail:
+            raise ValueError(f"run of {key} failed on purpose")
+        return entry
+
+    return windowed
+
+
+windowed_skip = _windowed_task("skip", exclusive_on_duplicate="skip")
+windowed_requeue = _windowed_task("requeue", exclusive_on_duplicate="requeue")
+windowed_wait = _windowed_task("wait", exclusive_on_duplicate="wait", exclusive_wait_timeout=10)
+windowed_after_end = _windowed_task(
+    "after_end", exclusive_on_duplicate="skip", exclusive_unique_after="end"
+)
