@@ -145,6 +145,8 @@ GUIDES = {
     "enqueue_ttl": ("Deduplicate at enqueue", "../how-to/duplicates/enqueue.md"),
     "skip_state": ("skip", "../how-to/duplicates/skip.md"),
     "trace_keys": ("Trace with OpenTelemetry", "../how-to/tracing.md#keys-in-spans"),
+    "unique_for": ("A window after the run", "../how-to/duplicates/window.md"),
+    "unique_after": ("A window after the run", "../how-to/duplicates/window.md"),
 }
 
 

@@ -78,6 +78,8 @@ def test_other_brokers_default_to_a_sqlite_file_private_to_the_app():
         ("lease_ttl", "soon", "positive number of seconds"),
         ("limit", 0, "whole number of at least 1"),
         ("backend_url", "nosuchstore://x", "redis://"),
+        ("unique_for", -1, "positive number of seconds"),
+        ("unique_after", "always", "'success', 'end'"),
     ],
 )
 def test_a_bad_value_names_the_setting_and_the_allowed_values(name, value, allowed):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from celery_exclusive import BackendUnavailable, LeaseLost, backend_for_url
+from celery_exclusive import BackendUnavailable, ConfigurationError, LeaseLost, backend_for_url
 from celery_exclusive.core import kill_notes, marks, outcomes
 from celery_exclusive.core.config import Settings
 from celery_exclusive.core.lease import HeldLease, UnlockedLease
@@ -502,3 +502,53 @@ def test_an_interrupt_landing_as_the_body_exits_still_ends_the_attempt_and_its_s
     assert terminate._running() == []  # the stopper left, its grace timer cancelled
     assert attempt.current() is None
     assert backend_for_url(memory_url).holders_of(call.key) == []
+
+
+# --- a uniqueness window after the run ---------------------------------------------------
+
+
+def test_a_run_under_unique_for_keeps_its_lease_that_long_after_it_ends(memory_url):
+    call = a_call(memory_url, unique_for=30.0)
+    seen = []
+    assert attempt.run(call, WORKER, lambda a, k: seen.append(attempt.current_lease()))
+    [info] = call.backend.holders_of(call.key)
+    assert info.task_id == "task-1" and info.fencing_token == seen[0].fencing_token
+    assert 25 < info.expires_in <= 30 and seen[0].kept_for == 30.0
+
+
+def test_a_call_meeting_a_window_is_a_duplicate_naming_the_run_that_keeps_it(memory_url):
+    first = a_call(memory_url, unique_for=30.0)
+    attempt.run(first, WORKER, lambda a, k: None)
+    again = dataclasses.replace(first, task_id="task-2")
+    outcome = attempt.run(again, WORKER, lambda a, k: pytest.fail("ran in the window"))
+    assert outcome == outcomes.Skipped(first.key, "task-1", None)
+
+
+def test_a_run_that_raised_frees_its_key_at_once_unless_the_window_follows_every_end(
+    memory_url,
+):
+    def fails(args, kwargs):
+        raise ValueError("no")
+
+    for after, holders in (("success", 0), ("end", 1)):
+        call = a_call(memory_url, unique_for=30.0, unique_after=after)
+        with pytest.raises(ValueError):
+            attempt.run(call, WORKER, fails)
+        assert len(call.backend.holders_of(call.key)) == holders, after
+
+
+def test_a_run_whose_lease_was_lost_keeps_no_window(memory_url):
+    call = a_call(memory_url, unique_for=30.0, on_lease_lost="log")
+
+    def loses_its_lease(args, kwargs):
+        call.backend.force_release(call.key)
+        attempt.current_lease().mark_lost("taken by the test")
+
+    attempt.run(call, WORKER, loses_its_lease)
+    assert call.backend.holders_of(call.key) == []
+
+
+def test_unique_for_on_a_store_without_windows_is_refused_naming_the_capability():
+    call = a_call("etcd://127.0.0.1:9/none", unique_for=30.0)
+    with pytest.raises(ConfigurationError, match="does not offer windows.*exclusive_unique_for"):
+        attempt.run(call, WORKER, lambda a, k: pytest.fail("ran"))

@@ -234,6 +234,29 @@ def test_a_skipped_duplicate_runs_neither_its_dependents_nor_its_success_callbac
     assert [c.decode() for c in rq_stack.client.lrange("callbacks", 0, -1)] == [holder.id]
 
 
+def test_a_job_in_the_window_after_a_run_is_canceled_naming_that_run(rq_stack):
+    first = rq_stack.enqueue(rq_jobs.windowed_skip, "rq-window", 0)
+    assert wait_done([first], timeout=15) == ["finished"]
+    duplicate = rq_stack.enqueue(rq_jobs.windowed_skip, "rq-window", 0)
+    assert wait_done([duplicate], timeout=15) == ["canceled"]
+    assert meta(duplicate)["holder"] == first.id
+    assert wait_until(lambda: not rq_stack.holders("rq-window"), timeout=rq_jobs.WINDOW + 10)
+    later = rq_stack.enqueue(rq_jobs.windowed_skip, "rq-window", 0)
+    assert wait_done([later], timeout=15) == ["finished"]
+    runs = {e["job_id"]: e for e in rq_stack.ledger()}
+    assert sorted(runs) == sorted([first.id, later.id])
+    assert runs[later.id]["start"] >= runs[first.id]["end"] + rq_jobs.WINDOW - 0.05
+
+
+def test_requeued_jobs_run_once_each_a_window_apart(rq_stack):
+    jobs = [rq_stack.enqueue(rq_jobs.windowed_requeue, "rq-windows", 0.1) for _ in range(3)]
+    assert wait_done(jobs, timeout=60) == ["finished"] * 3
+    runs = sorted(rq_stack.ledger(), key=lambda e: e["start"])
+    assert sorted(e["job_id"] for e in runs) == sorted(job.id for job in jobs)
+    gaps = [after["start"] - before["end"] for before, after in zip(runs, runs[1:])]
+    assert min(gaps) >= rq_jobs.WINDOW - 0.05, gaps
+
+
 def test_requeued_duplicates_all_run_after_the_holder(rq_stack):
     # The holder runs until every duplicate found it holding: however slowly the workers
     # pick the duplicates up, each one meets it.

@@ -108,6 +108,20 @@ def requeued_when_store_down(key: str) -> dict:
     return run(key, 0)
 
 
+#: The uniqueness window of the windowed jobs below (seconds after a run ends).
+WINDOW = 2.0
+
+
+@exclusive(key="{key}", unique_for=WINDOW)
+def windowed_skip(key: str, duration: float = 0.0) -> dict:
+    return run(key, duration)
+
+
+@exclusive(key="{key}", unique_for=WINDOW, on_duplicate="requeue", requeue_delay=0.2)
+def windowed_requeue(key: str, duration: float = 0.0) -> dict:
+    return run(key, duration)
+
+
 @exclusive(key="{key}", on_duplicate="rerun")
 def webhook(key: str, version: int, duration: float = 0.0) -> dict:
     """ "Something changed, go look": every change seen, never two syncs at once."""
