@@ -196,7 +196,7 @@ NEEDED_BY = {
     "marks": "the wait and rerun policies, exclusive_priority and exclusive_scope='enqueue'",
     "final_writes": "a result stored with the release of its lease",
     "event_log": "the operators' feed kept in a log of the store's own",
-    "windows": "exclusive_unique_for (a window after the run, its lease kept that long)",
+    "windows": "exclusive_unique_for and exclusive_rate (a run's lease kept after it)",
 }
 
 #: The methods each capability brings, beyond those every store has: on the store's

@@ -81,6 +81,7 @@ class ExclusiveTask(Task):
     exclusive_trace_keys: Optional[config.TraceKeys] = None
     exclusive_unique_for: Optional[float] = None
     exclusive_unique_after: Optional[config.UniqueAfter] = None
+    exclusive_rate: Optional[str] = None
 
     #: A skipped duplicate is an expected outcome: logged at INFO, no traceback. A
     #: subclass's or ``@app.task(throws=...)``'s own are added to it, never replace it.

@@ -294,7 +294,7 @@ def check_tasks_and_stores(app) -> None:
     tasks = [task for task in app.tasks.values() if is_exclusive_task(task)]
     settings = [task.exclusive_settings for task in tasks]  # checks the key format too
     for task, one in zip(tasks, settings):
-        if one.unique_for:
+        if one.unique_for or one.rate is not None:
             try:
                 require(backend_for_url(one.backend_url), "windows")
             except ConfigurationError as exc:

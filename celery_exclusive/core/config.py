@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 import re
 import sys
@@ -142,6 +143,12 @@ class Settings:
     #: Which runs keep the window: "success" (a run that raised frees the key at once,
     #: so that a call sent again after a fix runs) or "end" (every run, whatever it did).
     unique_after: UniqueAfter = "success"
+    #: At most N runs of a key start in any period, on every worker: "N/s", "N/m", "N/h"
+    #: or "N/<number><s|m|h>" ("3/10s"). A run holds one of N slots from its grant to a
+    #: period later (its end, if later); a call that finds none is a duplicate under
+    #: ``on_duplicate``: "skip" drops it (a rate limit), "requeue" and "wait" delay it
+    #: (a throttle). None: no rate. Sets ``limit`` to N.
+    rate: Optional[str] = None
 
 
 #: Every setting's name: the one list that task attributes, app settings and the RQ
@@ -336,6 +343,22 @@ def resolve(
     return _check(owner, Settings(**values), describe)
 
 
+#: A rate: a count, "/", an optional number and a unit.
+_RATE = re.compile(r"\s*(\d+)\s*/\s*(\d+(?:\.\d*)?|\.\d+)?\s*([smh])\s*\Z")
+_UNIT_SECONDS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+@functools.lru_cache(maxsize=256)
+def parse_rate(rate: str) -> Optional[tuple[int, float]]:
+    """``rate`` as (runs, seconds), or None if it is no rate ("10/m" is (10, 60.0))."""
+    found = _RATE.match(rate) if isinstance(rate, str) else None
+    if found is None:
+        return None
+    count, number, unit = found.groups()
+    seconds = float(number or 1) * _UNIT_SECONDS[unit]
+    return (int(count), seconds) if int(count) >= 1 and seconds > 0 else None
+
+
 def _check(owner: str, settings: Settings, describe: Callable[[str, Any], str]) -> Settings:
     def bad(name: str, value: Any, allowed: str) -> ConfigurationError:
         return ConfigurationError(f"{owner}: {describe(name, value)} is not allowed; {allowed}.")
@@ -376,6 +399,13 @@ def _check(owner: str, settings: Settings, describe: Callable[[str, Any], str]) 
     limit = settings.limit
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise bad("limit", limit, "use a whole number of at least 1")
+    if settings.rate is not None:
+        rate = parse_rate(settings.rate)
+        if rate is None:
+            raise bad("rate", settings.rate, "use runs per period: '10/m', '3/10s'")
+        if limit not in (1, rate[0]):
+            raise bad("limit", limit, f"leave it out with {describe('rate', settings.rate)}")
+        numbers["limit"] = rate[0]
     retries = settings.requeue_max_retries
     if retries is not None and (isinstance(retries, bool) or not isinstance(retries, int)):
         raise bad("requeue_max_retries", retries, "use a whole number, or None for no limit")

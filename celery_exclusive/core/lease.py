@@ -53,6 +53,8 @@ class HeldLease:
         self.name = name
         self.task_id = task_id
         self.acquired_at = runtime.monotonic()
+        #: When the grant's answer came (monotonic): the store granted it before then.
+        self.answered_at = self.acquired_at
         #: When the last renewal the store accepted was sent (monotonic): the store
         #: keeps the lease at least ``ttl`` past this. Callers set ``acquired_at`` and
         #: this to when the grant was sent.

@@ -24,11 +24,11 @@ import logging
 from contextvars import ContextVar, Token
 from typing import Any, Callable, Optional, Union
 
-from .. import telemetry
+from .. import runtime, telemetry
 from ..backends import Backend, End, FinalWrite, MarkSwap, versions
 from ..backends.base import require
 from ..core import marks, outcomes, policies, terminate
-from ..core.config import Settings
+from ..core.config import Settings, parse_rate
 from ..core.lease import HeldLease, UnlockedLease
 from ..core.outcomes import Outcome
 from ..core.policies import Granted
@@ -291,7 +291,7 @@ class Attempt:
         if call.resumed and settings.on_duplicate == "skip":
             settings = dataclasses.replace(settings, on_duplicate="requeue")
         rerun = settings.on_duplicate == "rerun" and bool(call.task_id)
-        if settings.unique_for:
+        if settings.unique_for or settings.rate is not None:
             require(call.backend, "windows", call.key)
         try:
             versions.ensure(call.backend, settings.key_prefix)
@@ -606,18 +606,26 @@ class Attempt:
         lease = self.lease
         if not isinstance(lease, HeldLease) or lease.released:
             return
-        settings = self.call.settings
-        if (
-            ended
-            and settings.unique_for
-            and not lease.lost
-            and not (failed and settings.unique_after == "success")
-        ):
-            self._keep_window(lease, settings.unique_for)
+        keep = self._kept_after(lease, failed) if ended and not lease.lost else 0.0
+        if keep > 0:
+            self._keep_window(lease, keep)
         else:
             self._release(lease, ended, write)
         if ended:
             self._drop_resume()
+
+    def _kept_after(self, lease: HeldLease, failed: bool) -> float:
+        """Seconds the run's lease is kept once it ended: its uniqueness window (after
+        a success, or every end), and under a rate, what is left of the period since its
+        grant (counted from the grant's answer: the store granted it before)."""
+        settings = self.call.settings
+        keep = 0.0
+        if settings.unique_for and not (failed and settings.unique_after == "success"):
+            keep = settings.unique_for
+        if settings.rate is not None:
+            _, period = parse_rate(settings.rate) or (0, 0.0)
+            keep = max(keep, period - (runtime.monotonic() - lease.answered_at))
+        return keep
 
     def _keep_window(self, lease: HeldLease, seconds: float) -> None:
         """The run's uniqueness window: its end recorded as a release records it, then

@@ -106,6 +106,7 @@ def exclusive(
     trace_keys: Optional[TraceKeys] = None,
     unique_for: Optional[float] = None,
     unique_after: Optional[UniqueAfter] = None,
+    rate: Optional[str] = None,
 ) -> Callable[[F], F]: ...
 
 

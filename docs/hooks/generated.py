@@ -147,6 +147,7 @@ GUIDES = {
     "trace_keys": ("Trace with OpenTelemetry", "../how-to/tracing.md#keys-in-spans"),
     "unique_for": ("A window after the run", "../how-to/duplicates/window.md"),
     "unique_after": ("A window after the run", "../how-to/duplicates/window.md"),
+    "rate": ("Rate limits and throttles", "../how-to/duplicates/rate.md"),
 }
 
 

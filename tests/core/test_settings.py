@@ -80,6 +80,8 @@ def test_other_brokers_default_to_a_sqlite_file_private_to_the_app():
         ("backend_url", "nosuchstore://x", "redis://"),
         ("unique_for", -1, "positive number of seconds"),
         ("unique_after", "always", "'success', 'end'"),
+        ("rate", "fast", "runs per period: '10/m'"),
+        ("rate", "0/m", "runs per period: '10/m'"),
     ],
 )
 def test_a_bad_value_names_the_setting_and_the_allowed_values(name, value, allowed):

@@ -548,6 +548,18 @@ def test_a_run_whose_lease_was_lost_keeps_no_window(memory_url):
     assert call.backend.holders_of(call.key) == []
 
 
+def test_under_a_rate_a_run_keeps_its_slot_a_period_after_its_grant(memory_url):
+    call = a_call(memory_url, rate="2/30s", limit=2)  # as the settings' check sets it
+    for task_id in ("task-1", "task-2"):
+        attempt.run(dataclasses.replace(call, task_id=task_id), WORKER, lambda a, k: None)
+    assert sorted(info.task_id for info in call.backend.holders_of(call.key)) == [
+        "task-1",
+        "task-2",
+    ]
+    third = dataclasses.replace(call, task_id="task-3")
+    assert isinstance(attempt.run(third, WORKER, lambda a, k: None), outcomes.Skipped)
+
+
 def test_unique_for_on_a_store_without_windows_is_refused_naming_the_capability():
     call = a_call("etcd://127.0.0.1:9/none", unique_for=30.0)
     with pytest.raises(ConfigurationError, match="does not offer windows.*exclusive_unique_for"):

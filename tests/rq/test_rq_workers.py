@@ -257,6 +257,15 @@ def test_requeued_jobs_run_once_each_a_window_apart(rq_stack):
     assert min(gaps) >= rq_jobs.WINDOW - 0.05, gaps
 
 
+def test_a_throttled_burst_runs_every_job_no_faster_than_the_rate(rq_stack):
+    jobs = [rq_stack.enqueue(rq_jobs.rated_requeue, "rq-rate", 0.05) for _ in range(5)]
+    assert wait_done(jobs, timeout=60) == ["finished"] * 5
+    starts = sorted(e["start"] for e in rq_stack.ledger())
+    assert len(starts) == 5
+    for first, third in zip(starts, starts[rq_jobs.RATE_RUNS :]):
+        assert third - first >= rq_jobs.RATE_PERIOD - 0.1, starts
+
+
 def test_requeued_duplicates_all_run_after_the_holder(rq_stack):
     # The holder runs until every duplicate found it holding: however slowly the workers
     # pick the duplicates up, each one meets it.

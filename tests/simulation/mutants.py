@@ -320,6 +320,13 @@ MUTANTS = [
         "            kept = dataclasses.replace(self.grant, ttl=max(0.001, seconds - since))",
     ),
     Mutant(
+        "rate-slot-given-back-at-the-end",
+        "under a rate, a run gives its slot back as it ends, not a period after its grant",
+        "engine/attempt.py",
+        "            keep = max(keep, period - (runtime.monotonic() - lease.answered_at))",
+        "            keep = max(keep, 0.0 * period)",
+    ),
+    Mutant(
         "beat-admits-every-tick",
         "the leader sends what its scheduler says is due, whatever the record shows",
         "beat/scheduler.py",

@@ -74,6 +74,8 @@ class SharedStore:
         self.partitioned: dict[int, float] = {}
         #: The last fencing token granted per key, in grant order.
         self.last_token: dict[str, int] = {}
+        #: When each grant was applied (store time), by key and fencing token.
+        self.granted_at: dict[tuple[str, int], float] = {}
         #: When each task id was granted a lease (store time of the grant).
         self.grants_of: dict[str, list[float]] = {}
         #: The store calls whose caller dies once they are applied: (the call's name,
@@ -92,6 +94,7 @@ class SharedStore:
                 f"{last}: tokens must rise with every grant"
             )
         self.last_token[lease.key] = lease.fencing_token
+        self.granted_at[(lease.key, lease.fencing_token)] = self.scheduler.now
 
     def granted_to(self, task_id: Optional[str]) -> None:
         if task_id:

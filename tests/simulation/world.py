@@ -54,7 +54,8 @@ TASK = "sim.work"
 #: so a seed of version 1 without them keeps its schedule); 3: also calls sent through
 #: the task's ``apply_async`` under ``scope="enqueue"``/``"both"`` (beside calls sent by
 #: name, which bypass it) and bodies that call ``retry()`` (a stream of their own too);
-#: 4: also a uniqueness window after each run (``unique_for``) on keys of one holder.
+#: 4: also a uniqueness window after each run (``unique_for``) on keys of one holder,
+#: and a rate (``rate``: N runs per period, N the limit).
 FAULTS = 4
 #: The store calls after which a step kill may land.
 STEPS = (
@@ -128,6 +129,8 @@ class Config:
     handoff_kills: float = 0.0
     #: Seconds a key stays taken after a run of it ends (limit 1 only).
     unique_for: float = 0.0
+    #: ``rate``: the limit's runs per this many seconds (0: no rate).
+    rate_period: float = 0.0
 
     def settings(self) -> Settings:
         return Settings(
@@ -146,6 +149,7 @@ class Config:
             on_backend_error=self.on_backend_error,  # type: ignore[arg-type]
             scope=self.scope,  # type: ignore[arg-type]
             unique_for=self.unique_for,
+            rate=f"{self.limit}/{self.rate_period}s" if self.rate_period else None,
         )
 
 
@@ -221,6 +225,9 @@ def _with_later_draws(config: Config, seed: int, faults: int) -> Config:
     if faults >= 4 and config.limit == 1:
         chance = random.Random(seed * 7919 + 23)
         config = dataclasses.replace(config, unique_for=chance.choice([0.0, 0.0, 1.0, 4.0]))
+    if faults >= 4:
+        chance = random.Random(seed * 7919 + 29)
+        config = dataclasses.replace(config, rate_period=chance.choice([0.0, 0.0, 1.0, 3.0]))
     return config
 
 
@@ -621,6 +628,7 @@ class World(Traced):
             task_id, key, version, self.scheduler.running_process(), lease, self.scheduler.now
         )
         self._check_window(body)
+        self._check_rate(body)
         self.bodies.append(body)
         self.note(
             f"body {task_id} v{version} starts, token {getattr(lease, 'fencing_token', None)}"
@@ -672,6 +680,49 @@ class World(Traced):
                     f"{before.ended:.3f}"
                 )
             return
+
+    def _check_rate(self, body: Body) -> None:
+        """Under a rate, a grant (as the store applied it) finds fewer than ``limit``
+        earlier grants of its key in the period before it whose slots were certainly
+        held that long: still running, or ended and kept (as for :meth:`_check_window`)."""
+        period = self.config.rate_period
+        if not period or not isinstance(body.lease, HeldLease):
+            return
+        granted_at = self.store.granted_at
+        at = granted_at.get((body.key, body.lease.fencing_token))
+        if at is None:
+            return
+        held = []
+        for before in self.bodies:
+            lease = before.lease
+            if before.key != body.key or not isinstance(lease, HeldLease):
+                continue
+            since = granted_at.get((before.key, lease.fencing_token))
+            if since is None or not at - period + 1e-9 < since < at:
+                continue
+            # A run that sent its retry gave its slot back with it (the retry would
+            # meet its own slot otherwise).
+            running = (
+                before.ended is None
+                and not before.handed_off
+                and not lease.lost
+                and before.process.alive
+            )
+            kept = (
+                lease.kept_for is not None
+                or (self.faultless and before.how == "returned" and not lease.lost)
+            ) and before.process.alive
+            if running or (before.ended is not None and kept):
+                held.append(before)
+        if len(held) >= self.config.limit:
+            raise Violation(
+                f"body {body.task_id} granted {body.key!r} at {at:.3f}, with "
+                f"{len(held)} grants in the {period}s before it (rate "
+                f"{self.config.limit}/{period}s): "
+                + ", ".join(
+                    f"{b.task_id} at {granted_at[(b.key, b.lease.fencing_token)]:.3f}" for b in held
+                )
+            )
 
     def _retry(self, message: Message) -> None:
         """The body calls ``retry()``, as ExclusiveTask's ``retry`` and ``apply_async``
@@ -1017,10 +1068,11 @@ class World(Traced):
             return body.completed
         if self._freed_by(body, float("inf")):
             return True
-        # Under unique_for the run's lease is kept, not released: its end is recorded
-        # on its own (the finished mark of its task id), before the lease is kept.
+        # Under unique_for or a rate the run's lease may be kept, not released: its end
+        # is recorded on its own (the finished mark of its task id), before it is kept.
+        keeps = self.config.unique_for or self.config.rate_period
         mark = self.store.memory.read_mark(marks.finished_key(body.key, body.task_id), marks.DONE)
-        return bool(self.config.unique_for) and mark is not None and int(mark) >= 0
+        return bool(keeps) and mark is not None and int(mark) >= 0
 
     def _freed_by(self, body: Body, when: float) -> bool:
         """Whether the store had applied the release of ``body``'s lease by ``when``."""

@@ -524,3 +524,32 @@ windowed_wait = _windowed_task("wait", exclusive_on_duplicate="wait", exclusive_
 windowed_after_end = _windowed_task(
     "after_end", exclusive_on_duplicate="skip", exclusive_unique_after="end"
 )
+
+
+#: The rate of the rated tasks below: runs per period of one key.
+RATE, RATE_RUNS, RATE_PERIOD = "3/2s", 3, 2.0
+
+
+@app.task(
+    name="ledger.rated_skip",
+    base=ExclusiveTask,
+    bind=True,
+    exclusive_key="{key}",
+    exclusive_rate=RATE,
+    exclusive_skip_state="success",
+)
+def rated_skip(self, key: str, duration: float = 0.0) -> dict:
+    return run(self, key, duration)
+
+
+@app.task(
+    name="ledger.rated_wait",
+    base=ExclusiveTask,
+    bind=True,
+    exclusive_key="{key}",
+    exclusive_rate=RATE,
+    exclusive_on_duplicate="wait",
+    exclusive_wait_timeout=30,
+)
+def rated_wait(self, key: str, duration: float = 0.0) -> dict:
+    return run(self, key, duration)

@@ -122,6 +122,15 @@ def windowed_requeue(key: str, duration: float = 0.0) -> dict:
     return run(key, duration)
 
 
+#: The rate of ``rated_requeue``: two runs of a key per two seconds.
+RATE_RUNS, RATE_PERIOD = 2, 2.0
+
+
+@exclusive(key="{key}", rate="2/2s", on_duplicate="requeue", requeue_delay=0.2)
+def rated_requeue(key: str, duration: float = 0.0) -> dict:
+    return run(key, duration)
+
+
 @exclusive(key="{key}", on_duplicate="rerun")
 def webhook(key: str, version: int, duration: float = 0.0) -> dict:
     """ "Something changed, go look": every change seen, never two syncs at once."""

@@ -1,0 +1,70 @@
+"""A rate per key (``exclusive_rate``): at most N runs of a key start in any
+period, across every worker and process; the excess is skipped (a rate limit) or
+delayed (a throttle), as ``exclusive_on_duplicate`` says.
+
+Real prefork workers (two, three processes each) on one broker; every run noted in a
+Redis ledger with its start (one host: the workers' and the store's clocks agree).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from tests.support.apps import ledger as ledger_app
+from tests.support.apps.ledger import RATE_PERIOD, RATE_RUNS
+from tests.support.cluster import Stack
+from tests.support.workers import read_ledger
+
+#: How late a body may start after its grant (the store decides by the grant).
+SLACK = 0.1
+
+
+@pytest.fixture(scope="module", params=["redis", "sqlite", "postgresql"])
+def stack(request, redis_server, client_dbs, tmp_path_factory):
+    store = request.param
+    if store == "postgresql":
+        server = request.getfixturevalue("postgres_server")
+        store = f"{server.url}?schema=rate_{uuid.uuid4().hex[:8]}"
+    stack = Stack(redis_server, *client_dbs, store, tmp_path_factory)
+    workers = (stack.worker(f"rate{i}", concurrency=3) for i in range(2))
+    with stack.running(*workers):
+        yield stack
+
+
+def starts_of(cluster, key: str) -> list[float]:
+    return sorted(e["start"] for e in read_ledger(cluster.ledger) if e["key"] == key)
+
+
+def most_in_a_period(starts: list[float]) -> int:
+    """The most runs that started within one period (sliding, as the store counts)."""
+    return max(
+        sum(1 for other in starts if start <= other < start + RATE_PERIOD - SLACK)
+        for start in starts
+    )
+
+
+def test_bursts_across_period_boundaries_run_no_more_than_the_rate(cluster):
+    results = []
+    for _ in range(5):  # a burst every 0.7 s: period boundaries fall inside bursts
+        results += [ledger_app.rated_skip.delay("api", 0.05) for _ in range(6)]
+        time.sleep(0.7)
+    outcomes = [result.get(timeout=60) for result in results]
+    ran = [o for o in outcomes if o.get("outcome") != "skipped"]
+    skipped = [o for o in outcomes if o.get("outcome") == "skipped"]
+    starts = starts_of(cluster, "api")
+    assert len(starts) == len(ran) and len(ran) + len(skipped) == 30
+    assert most_in_a_period(starts) == RATE_RUNS, starts
+    assert len(ran) >= RATE_RUNS * 2, "the rate admitted too little to tell anything"
+
+
+def test_a_throttle_delays_the_excess_and_runs_every_call(cluster):
+    calls = [ledger_app.rated_wait.delay("webhook", 0.05) for _ in range(8)]
+    assert sorted(c.get(timeout=90)["task_id"] for c in calls) == sorted(c.id for c in calls)
+    starts = starts_of(cluster, "webhook")
+    assert len(starts) == 8
+    assert most_in_a_period(starts) <= RATE_RUNS, starts
+    # Eight runs at three a period: the last starts two periods after the first.
+    assert starts[-1] - starts[0] >= 2 * RATE_PERIOD - SLACK, starts
