@@ -106,7 +106,27 @@ def markdown(machine: dict, load: dict, r: dict) -> str:
         lines += beat_table(r["beat"])
     if "web" in r:
         lines += web_table(r["web"])
+    if "rates" in r:
+        lines += rates_table(r["rates"])
     return "\n".join(lines)
+
+
+def rates_table(r: dict) -> list[str]:
+    """How exact a rate per key is, and what a call under one costs (rates.py)."""
+    e, c = r["exactness"], r["cost"]
+    return [
+        f"**A rate per key** — `exclusive_rate={e['rate']!r}`, {e['processes']} processes "
+        f"calling one key in a loop ({e['calls']:,} calls): the most grants in any period "
+        f"(by the store's clock) is {e['most_in_a_period']} for a rate of {e['limit']}, and "
+        f"{e['admitted_of_ceiling']:.0%} of what the rate allows over the time ran. One "
+        f"process, a key per call, median of {c['rounds']} rounds of {c['calls']}:",
+        "",
+        "| call | µs per call |",
+        "|---|---:|",
+        *(f"| {name} | {us:.0f} |" for name, us in c["us_per_call"].items()),
+        f"| ratio | {c['ratio']:.3f}x |",
+        "",
+    ]
 
 
 def stream_table(s: dict) -> list[str]:

@@ -36,6 +36,7 @@ FULL = {
     "scale": {"n": 400},
     "beat": {"runs": 3},
     "web": {"leases": 10_000},
+    "rates": {"processes": 4, "seconds": 8, "rate": "5/1s", "calls": 500, "rounds": 5},
 }
 #: Run only when named: long, and against other peers than the rest.
 ONLY_WHEN_NAMED = {"beat", "web"}
@@ -50,6 +51,7 @@ QUICK = {
     "scale": {"n": 60, "processes": [1, 2], "key_counts": [1, 100]},
     "beat": {"runs": 1, "signals": ["SIGKILL", "SIGTERM"]},
     "web": {"leases": 500, "rounds": 2},
+    "rates": {"processes": 2, "seconds": 3, "rate": "5/1s", "calls": 100, "rounds": 2},
 }
 
 

@@ -37,6 +37,10 @@ from .arguments import decode_call, encode_call
 
 logger = logging.getLogger("celery_exclusive")
 
+#: Seconds a rate's slot is kept beyond its period: a store counts a ttl in whole
+#: milliseconds by its clock, and may end it up to two of them early (Redis floors both).
+RATE_MARGIN = 0.002
+
 AnyLease = Union[HeldLease, UnlockedLease]
 
 #: The body of a call: called with the arguments it runs with (a pending rerun's may
@@ -624,7 +628,8 @@ class Attempt:
             keep = settings.unique_for
         if settings.rate is not None:
             _, period = parse_rate(settings.rate) or (0, 0.0)
-            keep = max(keep, period - (runtime.monotonic() - lease.answered_at))
+            elapsed = runtime.monotonic() - lease.answered_at
+            keep = max(keep, period - elapsed + RATE_MARGIN)
         return keep
 
     def _keep_window(self, lease: HeldLease, seconds: float) -> None:

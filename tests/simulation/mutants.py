@@ -323,8 +323,8 @@ MUTANTS = [
         "rate-slot-given-back-at-the-end",
         "under a rate, a run gives its slot back as it ends, not a period after its grant",
         "engine/attempt.py",
-        "            keep = max(keep, period - (runtime.monotonic() - lease.answered_at))",
-        "            keep = max(keep, 0.0 * period)",
+        "            keep = max(keep, period - elapsed + RATE_MARGIN)",
+        "            keep = max(keep, 0.0 * elapsed)",
     ),
     Mutant(
         "beat-admits-every-tick",
