@@ -13,8 +13,8 @@ import uuid
 
 import pytest
 
-from tests.support.apps import ledger as ledger_app
-from tests.support.apps.ledger import RATE_PERIOD, RATE_RUNS
+from tests.support.apps import kept
+from tests.support.apps.kept import RATE_PERIOD, RATE_RUNS
 from tests.support.cluster import Stack
 from tests.support.workers import read_ledger
 
@@ -29,8 +29,10 @@ def stack(request, redis_server, client_dbs, tmp_path_factory):
         server = request.getfixturevalue("postgres_server")
         store = f"{server.url}?schema=rate_{uuid.uuid4().hex[:8]}"
     stack = Stack(redis_server, *client_dbs, store, tmp_path_factory)
-    workers = (stack.worker(f"rate{i}", concurrency=3) for i in range(2))
+    app = "tests.support.apps.kept"
+    workers = (stack.worker(f"rate{i}", app=app, concurrency=3) for i in range(2))
     with stack.running(*workers):
+        stack.configure_client(kept.app)
         yield stack
 
 
@@ -58,7 +60,7 @@ def most_granted_in_a_period(cluster, key: str) -> int:
 def test_bursts_across_period_boundaries_run_no_more_than_the_rate(cluster):
     results = []
     for _ in range(5):  # a burst every 0.7 s: period boundaries fall inside bursts
-        results += [ledger_app.rated_skip.delay("api", 0.05) for _ in range(6)]
+        results += [kept.rated_skip.delay("api", 0.05) for _ in range(6)]
         time.sleep(0.7)
     outcomes = [result.get(timeout=60) for result in results]
     ran = [o for o in outcomes if o.get("outcome") != "skipped"]
@@ -72,7 +74,7 @@ def test_bursts_across_period_boundaries_run_no_more_than_the_rate(cluster):
 
 
 def test_a_throttle_delays_the_excess_and_runs_every_call(cluster):
-    calls = [ledger_app.rated_wait.delay("webhook", 0.05) for _ in range(8)]
+    calls = [kept.rated_wait.delay("webhook", 0.05) for _ in range(8)]
     assert sorted(c.get(timeout=90)["task_id"] for c in calls) == sorted(c.id for c in calls)
     starts = starts_of(cluster, "webhook")
     assert len(starts) == 8

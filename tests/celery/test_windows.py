@@ -14,8 +14,8 @@ import uuid
 import pytest
 
 from celery_exclusive import DuplicateSkipped
-from tests.support.apps import ledger as ledger_app
-from tests.support.apps.ledger import WINDOW
+from tests.support.apps import kept
+from tests.support.apps.kept import WINDOW
 from tests.support.cluster import Stack, wait_until
 from tests.support.workers import Worker, read_ledger
 
@@ -30,8 +30,10 @@ def stack(request, redis_server, client_dbs, tmp_path_factory):
         server = request.getfixturevalue("postgres_server")
         store = f"{server.url}?schema=win_{uuid.uuid4().hex[:8]}"
     stack = Stack(redis_server, *client_dbs, store, tmp_path_factory)
-    workers = (stack.worker(f"win{i}", concurrency=2) for i in range(2))
+    app = "tests.support.apps.kept"
+    workers = (stack.worker(f"win{i}", app=app, concurrency=2) for i in range(2))
     with stack.running(*workers):
+        stack.configure_client(kept.app)
         yield stack
 
 
@@ -42,26 +44,26 @@ def runs_of(cluster, key: str) -> list[dict]:
 
 
 def test_a_call_in_the_window_after_a_run_is_skipped_naming_that_run(cluster):
-    first = ledger_app.windowed_skip.delay("report", 0.1)
+    first = kept.windowed_skip.delay("report", 0.1)
     first.get(timeout=30)
-    duplicate = ledger_app.windowed_skip.delay("report", 0)
+    duplicate = kept.windowed_skip.delay("report", 0)
     with pytest.raises(DuplicateSkipped, match=first.id):
         duplicate.get(timeout=30)
     assert [run["task_id"] for run in runs_of(cluster, "report")] == [first.id]
 
 
 def test_a_call_after_the_window_runs(cluster):
-    first = ledger_app.windowed_skip.delay("digest", 0)
+    first = kept.windowed_skip.delay("digest", 0)
     first.get(timeout=30)
     assert wait_until(lambda: not cluster.holders("digest"), timeout=WINDOW + 10)
-    later = ledger_app.windowed_skip.delay("digest", 0).get(timeout=30)
+    later = kept.windowed_skip.delay("digest", 0).get(timeout=30)
     before = runs_of(cluster, "digest")[0]
     assert later["start"] >= before["end"] + WINDOW - SLACK
     assert later["token"] > before["token"]
 
 
 def test_requeued_duplicates_each_run_once_a_window_apart(cluster):
-    calls = [ledger_app.windowed_requeue.delay("sync", 0.1) for _ in range(4)]
+    calls = [kept.windowed_requeue.delay("sync", 0.1) for _ in range(4)]
     assert [call.get(timeout=90)["task_id"] for call in calls] == [call.id for call in calls]
     runs = runs_of(cluster, "sync")
     assert sorted(run["task_id"] for run in runs) == sorted(call.id for call in calls)
@@ -70,27 +72,27 @@ def test_requeued_duplicates_each_run_once_a_window_apart(cluster):
 
 
 def test_a_waiting_duplicate_runs_once_the_window_lapses_without_a_requeue(cluster):
-    first = ledger_app.windowed_wait.delay("export", 0.1)
+    first = kept.windowed_wait.delay("export", 0.1)
     first.get(timeout=30)
-    second = ledger_app.windowed_wait.delay("export", 0).get(timeout=30)
+    second = kept.windowed_wait.delay("export", 0).get(timeout=30)
     assert second["requeues"] == 0
     assert second["start"] >= runs_of(cluster, "export")[0]["end"] + WINDOW - SLACK
 
 
 def test_a_failed_run_frees_its_key_at_once_by_default(cluster):
-    failed = ledger_app.windowed_skip.delay("import", 0, True)
+    failed = kept.windowed_skip.delay("import", 0, True)
     with pytest.raises(ValueError, match="failed on purpose"):
         failed.get(timeout=30)
-    again = ledger_app.windowed_skip.delay("import", 0).get(timeout=30)
+    again = kept.windowed_skip.delay("import", 0).get(timeout=30)
     first = runs_of(cluster, "import")[0]
     assert again["start"] < first["end"] + WINDOW
 
 
 def test_unique_after_end_keeps_the_window_after_a_failed_run_too(cluster):
-    failed = ledger_app.windowed_after_end.delay("invoice", 0, True)
+    failed = kept.windowed_after_end.delay("invoice", 0, True)
     with pytest.raises(ValueError, match="failed on purpose"):
         failed.get(timeout=30)
-    duplicate = ledger_app.windowed_after_end.delay("invoice", 0)
+    duplicate = kept.windowed_after_end.delay("invoice", 0)
     with pytest.raises(DuplicateSkipped, match=failed.id):
         duplicate.get(timeout=30)
 
@@ -100,9 +102,9 @@ def test_a_worker_on_a_store_without_windows_refuses_to_start_naming_the_task(
 ):
     # etcd's leases live as long as the etcd lease granted with them: no window there.
     stack = Stack(redis_server, *client_dbs, "etcd://127.0.0.1:9/none", tmp_path_factory)
-    worker: Worker = stack.worker("no-windows", concurrency=1)
+    worker: Worker = stack.worker("no-windows", app="tests.support.apps.kept", concurrency=1)
     worker.start(wait=False)
     assert worker.process.wait(60) != 0, worker.output()
     last = worker.output().strip().splitlines()[-1]
-    assert "task ledger.windowed_" in last and "does not offer windows" in last, last
+    assert "task kept.windowed_" in last and "does not offer windows" in last, last
     assert "exclusive_unique_for" in last and "Traceback" not in worker.output()

@@ -40,12 +40,17 @@ class Stack:
         env.update({f"EXCLUSIVE_TEST_{k.upper()}": str(v) for k, v in overrides.items()})
         return env
 
-    def worker(self, name: str, env: dict | None = None, **kwargs) -> Worker:
-        return Worker("tests.support.apps.ledger", self.env(**(env or {})), name=name, **kwargs)
+    def worker(
+        self, name: str, env: dict | None = None, app: str = "tests.support.apps.ledger", **kwargs
+    ) -> Worker:
+        """A worker of the ledger's app, or of ``app`` (a module of tests/support/apps
+        configured from the same variables)."""
+        return Worker(app, self.env(**(env or {})), name=name, **kwargs)
 
-    def configure_client(self) -> None:
-        """Point this (test) process's copy of the app at the same broker and store."""
-        ledger_app.app.conf.update(
+    def configure_client(self, app=None) -> None:
+        """Point this (test) process's copy of the app (the ledger's, or ``app``) at the
+        same broker and store."""
+        (app or ledger_app.app).conf.update(
             broker_url=self.broker, result_backend=self.broker, exclusive_backend_url=self.store
         )
         for task in ledger_app.app.tasks.values():

@@ -1,0 +1,89 @@
+"""Tasks whose lease is kept after their run: a window (``exclusive_unique_for``) and a
+rate (``exclusive_rate``), each run noted in the ledger as the ledger's tasks do.
+
+An app of their own, configured as the ledger's from the same ``EXCLUSIVE_TEST_*``
+variables: a worker refuses to start with such a task on a store without the
+``windows`` capability, and the ledger's workers run on every store.
+"""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+
+from celery_exclusive import ExclusiveTask
+from tests.support.apps.ledger import run
+
+app = Celery("kept")
+app.conf.update(
+    broker_url=os.environ.get("EXCLUSIVE_TEST_BROKER", "memory://"),
+    result_backend=os.environ.get("EXCLUSIVE_TEST_BROKER", "cache+memory://"),
+    exclusive_backend_url=os.environ.get("EXCLUSIVE_TEST_STORE", "memory://"),
+    exclusive_lease_ttl=float(os.environ.get("EXCLUSIVE_TEST_TTL", "2")),
+    worker_prefetch_multiplier=1,
+    broker_connection_retry_on_startup=True,
+    result_extended=True,
+)
+
+
+#: The uniqueness window of the windowed tasks below (seconds after a run ends).
+WINDOW = 2.0
+
+
+def _windowed_task(name: str, **options):
+    @app.task(
+        name=f"kept.windowed_{name}",
+        base=ExclusiveTask,
+        bind=True,
+        exclusive_key="{key}",
+        exclusive_unique_for=WINDOW,
+        exclusive_requeue_delay=0.2,
+        exclusive_requeue_max_delay=0.5,
+        **options,
+    )
+    def windowed(self, key: str, duration: float = 0.0, fail: bool = False) -> dict:
+        """A ledger run; then, with ``fail``, it raises."""
+        entry = run(self, key, duration)
+        if fail:
+            raise ValueError(f"run of {key} failed on purpose")
+        return entry
+
+    return windowed
+
+
+windowed_skip = _windowed_task("skip", exclusive_on_duplicate="skip")
+windowed_requeue = _windowed_task("requeue", exclusive_on_duplicate="requeue")
+windowed_wait = _windowed_task("wait", exclusive_on_duplicate="wait", exclusive_wait_timeout=10)
+windowed_after_end = _windowed_task(
+    "after_end", exclusive_on_duplicate="skip", exclusive_unique_after="end"
+)
+
+
+#: The rate of the rated tasks below: runs per period of one key.
+RATE, RATE_RUNS, RATE_PERIOD = "3/2s", 3, 2.0
+
+
+@app.task(
+    name="kept.rated_skip",
+    base=ExclusiveTask,
+    bind=True,
+    exclusive_key="{key}",
+    exclusive_rate=RATE,
+    exclusive_skip_state="success",
+)
+def rated_skip(self, key: str, duration: float = 0.0) -> dict:
+    return run(self, key, duration)
+
+
+@app.task(
+    name="kept.rated_wait",
+    base=ExclusiveTask,
+    bind=True,
+    exclusive_key="{key}",
+    exclusive_rate=RATE,
+    exclusive_on_duplicate="wait",
+    exclusive_wait_timeout=30,
+)
+def rated_wait(self, key: str, duration: float = 0.0) -> dict:
+    return run(self, key, duration)
