@@ -610,7 +610,9 @@ class Attempt:
         lease = self.lease
         if not isinstance(lease, HeldLease) or lease.released:
             return
-        keep = self._kept_after(lease, failed) if ended and not lease.lost else 0.0
+        settings = self.call.settings
+        keeps = settings.unique_for or settings.rate is not None
+        keep = self._kept_after(lease, failed) if keeps and ended and not lease.lost else 0.0
         if keep > 0:
             self._keep_window(lease, keep)
         else:
