@@ -371,6 +371,19 @@ class Trace:
             },
         )
 
+    def kept(self, held_for: float, seconds: float, kept: bool) -> None:
+        """The run ended and its lease is kept ``seconds`` more (a window after the
+        run, a rate's slot), not released; ``kept``: the store still had it."""
+        self._event(
+            "exclusive.lease.kept",
+            {
+                "exclusive.held_for": held_for,
+                "exclusive.kept_for": seconds,
+                "exclusive.freed": False,
+                "exclusive.kept": kept,
+            },
+        )
+
     def _event(self, name: str, attributes: dict[str, Any]) -> None:
         span = self.span
         if span is None:
@@ -456,6 +469,8 @@ class _NoTrace:
     def lost(self, cause: Optional[str], reason: str) -> None: ...
 
     def released(self, held_for: float, freed: bool, late: bool, answered: bool = True) -> None: ...
+
+    def kept(self, held_for: float, seconds: float, kept: bool) -> None: ...
 
 
 #: The trace of a call where the API is not installed, or of a lease nobody traces.

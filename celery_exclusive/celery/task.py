@@ -327,12 +327,15 @@ class ExclusiveTask(Task):
         """Note the key the retry was sent for: the call comes again under its id there,
         so its enqueue mark of that key stays when this run ends, and a mark of another
         key (the retry's arguments changed it) is cleared (:mod:`.results`)."""
+        current = attempt.current()
+        if current is not None and current.call.task_id == self.request.id:
+            current.retry_sent = True  # the call goes on: its run keeps no window
         signature = retry.sig
         if signature is None or self.exclusive_settings.scope == "run":
             return
         try:
             key = self.exclusive_key_for(tuple(signature.args or ()), dict(signature.kwargs or {}))
-        except ExclusiveError:  # its run names the error; the mark here expires
+        except (ExclusiveError, TypeError):  # its run names the error; the mark here expires
             return
         setattr(self.request, results.RETRY_SENT, key)
 

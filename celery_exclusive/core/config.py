@@ -392,7 +392,13 @@ def _check(owner: str, settings: Settings, describe: Callable[[str, Any], str]) 
             number = float(value)
         except (TypeError, ValueError):
             number = -1.0
-        if number < 0 or (name == "lease_ttl" and number <= 0) or isinstance(value, bool):
+        finite = number == number and number != float("inf")
+        if (
+            not finite
+            or number < 0
+            or (name == "lease_ttl" and number <= 0)
+            or isinstance(value, bool)
+        ):
             raise bad(name, value, "use a positive number of seconds")
         numbers[name] = number
 

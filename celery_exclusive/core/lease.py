@@ -258,9 +258,14 @@ class HeldLease:
                     self.ttl,
                 )
                 return False
-            self._given_back(not lost)
-            if not lost:
+            if lost:
+                self.mark_lost(
+                    "the store no longer had it when its holder kept it past its run: it "
+                    "expired or was taken while the body ran"
+                )
+            else:
                 self.kept_for = seconds
+            self.trace.kept(self._held_for(), seconds, not lost)
             return not lost
         finally:
             keeper().forget(self)

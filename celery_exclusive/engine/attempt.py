@@ -214,6 +214,9 @@ class Attempt:
         #: Set while the host sends this call again on the body's behalf (Celery's
         #: ``retry()``): the lease goes back as the message goes out.
         self.handing_off = False
+        #: Whether the body sent the call again and went on (``retry(throw=False)``): the
+        #: call comes back under its id, so its run keeps no window or rate slot to meet.
+        self.retry_sent = False
         #: Whether the body was stopped by the loss of its lease (``LeaseLost`` raised
         #: out of it while the lease was lost).
         self.stopped_by_loss = False
@@ -611,7 +614,7 @@ class Attempt:
         if not isinstance(lease, HeldLease) or lease.released:
             return
         settings = self.call.settings
-        keeps = settings.unique_for or settings.rate is not None
+        keeps = (settings.unique_for or settings.rate is not None) and not self.retry_sent
         keep = self._kept_after(lease, failed) if keeps and ended and not lease.lost else 0.0
         if keep > 0:
             self._keep_window(lease, keep)

@@ -153,6 +153,8 @@ class ExclusiveJob(Job):
             # A synchronous queue has no queue to go back to: it waits instead.
             can_requeue=not synchronous,
             stop_process=None if synchronous else self._in_work_horse(),
+            # A job that fails with retries left is run again by RQ under its id.
+            comes_back=lambda exc: bool(getattr(self, "retries_left", None)),
             noun="job",
             setting_prefix="",
         )

@@ -97,6 +97,13 @@ def test_unique_after_end_keeps_the_window_after_a_failed_run_too(cluster):
         duplicate.get(timeout=30)
 
 
+def test_a_retry_sent_from_a_run_that_goes_on_does_not_meet_its_own_window(cluster):
+    first = kept.windowed_retry_going_on.delay("going-on")
+    # The window is a minute: the retry runs at once, not after it.
+    assert wait_until(lambda: len(runs_of(cluster, "going-on")) == 2, timeout=20)
+    assert [run["task_id"] for run in runs_of(cluster, "going-on")] == [first.id] * 2
+
+
 def test_a_worker_on_a_store_without_windows_refuses_to_start_naming_the_task(
     redis_server, client_dbs, tmp_path_factory
 ):

@@ -79,6 +79,7 @@ def test_other_brokers_default_to_a_sqlite_file_private_to_the_app():
         ("limit", 0, "whole number of at least 1"),
         ("backend_url", "nosuchstore://x", "redis://"),
         ("unique_for", -1, "positive number of seconds"),
+        ("unique_for", float("inf"), "positive number of seconds"),
         ("unique_after", "always", "'success', 'end'"),
         ("rate", "fast", "runs per period: '10/m'"),
         ("rate", "0/m", "runs per period: '10/m'"),

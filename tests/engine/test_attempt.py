@@ -516,6 +516,23 @@ def test_a_run_under_unique_for_keeps_its_lease_that_long_after_it_ends(memory_u
     assert 25 < info.expires_in <= 30 and seen[0].kept_for == 30.0
 
 
+def test_a_kept_lease_is_not_said_released(memory_url):
+    from celery_exclusive import signals
+
+    released = []
+
+    def note(sender=None, **kwargs):
+        released.append(kwargs["key"])
+
+    signals.lease_released.connect(note, weak=False)
+    try:
+        call = a_call(memory_url, unique_for=30.0)
+        attempt.run(call, WORKER, lambda a, k: None)
+    finally:
+        signals.lease_released.disconnect(note)
+    assert released == [] and call.backend.holders_of(call.key)
+
+
 def test_a_call_meeting_a_window_is_a_duplicate_naming_the_run_that_keeps_it(memory_url):
     first = a_call(memory_url, unique_for=30.0)
     attempt.run(first, WORKER, lambda a, k: None)

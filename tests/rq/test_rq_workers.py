@@ -325,6 +325,15 @@ def test_wait_is_woken_by_the_release_not_by_its_timeout(rq_stack):
     assert second["start"] - first["end"] < 1
 
 
+def test_rqs_retry_of_a_failed_run_does_not_meet_its_own_window(rq_stack):
+    job = rq_stack.enqueue(
+        rq_jobs.windowed_failing_once, "retried-window", retry=Retry(max=1, interval=1)
+    )
+    # The window is a minute: the retry runs at its interval, not after the window.
+    assert wait_done([job], timeout=30) == ["finished"]
+    assert meta(job)["outcome"] == "ran" and meta(job)["retry"] is True
+
+
 def test_a_retry_of_a_failed_attempt_that_meets_another_holder_is_requeued(rq_stack):
     job = rq_stack.enqueue(rq_jobs.fail_first_attempt, "retried", retry=Retry(max=1, interval=2))
     assert wait_until(lambda: status(job) == "scheduled", timeout=10), status(job)

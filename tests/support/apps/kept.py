@@ -87,3 +87,17 @@ def rated_skip(self, key: str, duration: float = 0.0) -> dict:
 )
 def rated_wait(self, key: str, duration: float = 0.0) -> dict:
     return run(self, key, duration)
+
+
+@app.task(
+    name="kept.windowed_retry_going_on",
+    base=ExclusiveTask,
+    bind=True,
+    exclusive_key="{key}",
+    exclusive_unique_for=60.0,
+)
+def windowed_retry_going_on(self, key: str) -> dict:
+    """Sends its retry once and goes on (``throw=False``), under a window of a minute."""
+    if self.request.retries == 0:
+        self.retry(countdown=0, throw=False, max_retries=1)
+    return run(self, key, 0)

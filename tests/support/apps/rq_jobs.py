@@ -166,6 +166,15 @@ def fail_first_attempt(key: str) -> dict:
     return run(key, 0)
 
 
+@exclusive(key="{key}", unique_for=60, unique_after="end")
+def windowed_failing_once(key: str) -> dict:
+    """Raises on its first attempt (for RQ's Retry), runs on the next; a window of a
+    minute follows every run."""
+    if ledger().incr(f"attempts:{key}") == 1:
+        raise RuntimeError("first attempt fails")
+    return run(key, 0)
+
+
 def record_success(job, connection, result) -> None:
     """An on_success callback: says in the ledger whose success it saw."""
     ledger().rpush("callbacks", job.id)
