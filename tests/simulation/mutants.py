@@ -306,9 +306,9 @@ MUTANTS = [
     ),
     Mutant(
         "window-not-kept",
-        "a run under unique_for gives its key back as it ends instead of keeping it",
+        "a run under unique_for or a rate gives its key back as it ends instead of keeping it",
         "engine/attempt.py",
-        "            self._keep_window(lease, settings.unique_for)",
+        "            self._keep_window(lease, keep)",
         "            self._release(lease, ended, write)",
     ),
     Mutant(
