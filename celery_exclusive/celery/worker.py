@@ -294,9 +294,11 @@ def check_tasks_and_stores(app) -> None:
     tasks = [task for task in app.tasks.values() if is_exclusive_task(task)]
     settings = [task.exclusive_settings for task in tasks]  # checks the key format too
     for task, one in zip(tasks, settings):
-        if one.unique_for or one.rate is not None:
+        needs = ["windows"] if one.unique_for or one.rate is not None else []
+        needs += ["limits"] if one.limit > 1 else []
+        for capability in needs:
             try:
-                require(backend_for_url(one.backend_url), "windows")
+                require(backend_for_url(one.backend_url), capability)
             except ConfigurationError as exc:
                 raise ConfigurationError(f"task {task.name}: {exc}") from None
     startup.check_stores(app, settings, _meanwhile)

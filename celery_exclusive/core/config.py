@@ -331,14 +331,16 @@ def resolve(
     variables have their own).
     """
     values: dict[str, Any] = {}
+    #: Where each value came from: 0 forced, 1 the task's, 2 the app's.
+    levels: dict[str, int] = {}
     for name in NAMES:
-        value = _forced.get(name)
-        if value is None:
-            value = override(name)
-        if value is None:
-            value = app_setting(name)
-        if value is not None:
-            values[name] = value
+        for level, source in enumerate((_forced.get, override, app_setting)):
+            value = source(name)
+            if value is not None:
+                values[name], levels[name] = value, level
+                break
+    if "rate" in values and levels.get("limit", 3) > levels["rate"]:
+        values.pop("limit", None)  # a rate sets the limit: a more general one gives way
     values.setdefault("backend_url", default_backend_url(broker_url, app_name))
     return _check(owner, Settings(**values), describe)
 
@@ -348,10 +350,14 @@ _RATE = re.compile(r"\s*(\d+)\s*/\s*(\d+(?:\.\d*)?|\.\d+)?\s*([smh])\s*\Z")
 _UNIT_SECONDS = {"s": 1.0, "m": 60.0, "h": 3600.0}
 
 
-@functools.lru_cache(maxsize=256)
-def parse_rate(rate: str) -> Optional[tuple[int, float]]:
+def parse_rate(rate: Any) -> Optional[tuple[int, float]]:
     """``rate`` as (runs, seconds), or None if it is no rate ("10/m" is (10, 60.0))."""
-    found = _RATE.match(rate) if isinstance(rate, str) else None
+    return _parse_rate(rate) if isinstance(rate, str) else None
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_rate(rate: str) -> Optional[tuple[int, float]]:
+    found = _RATE.match(rate)
     if found is None:
         return None
     count, number, unit = found.groups()

@@ -125,3 +125,18 @@ def test_the_default_store_is_named_after_the_app_and_the_user(monkeypatch, tmp_
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
     url = settings_of({"broker_url": "amqp://guest@localhost//"}).backend_url
     assert url == f"sqlite:///{tmp_path}/celery-exclusive/settings-uid{os.getuid()}.sqlite3"
+
+
+def test_a_tasks_rate_sets_its_limit_over_an_app_wide_limit():
+    settings = resolve("api.call", {"rate": "5/m"}.get, {"limit": 2}.get)
+    assert (settings.rate, settings.limit) == ("5/m", 5)
+
+
+def test_a_tasks_own_limit_beside_its_rate_is_refused_naming_both():
+    with pytest.raises(ConfigurationError, match="exclusive_limit=2.*exclusive_rate='5/m'"):
+        resolve("api.call", {"rate": "5/m", "limit": 2}.get, lambda name: None)
+
+
+def test_a_rate_that_is_no_text_is_named():
+    with pytest.raises(ConfigurationError, match=r"exclusive_rate=\['10/m'\]"):
+        resolve("api.call", {"rate": ["10/m"]}.get, lambda name: None)
