@@ -295,7 +295,7 @@ def check_tasks_and_stores(app) -> None:
     settings = [task.exclusive_settings for task in tasks]  # checks the key format too
     for task, one in zip(tasks, settings):
         needs = ["windows"] if one.unique_for or one.rate is not None else []
-        needs += ["limits"] if one.limit > 1 else []
+        needs += ["limits"] if one.rate is not None and one.limit > 1 else []
         for capability in needs:
             try:
                 require(backend_for_url(one.backend_url), capability)

@@ -333,8 +333,9 @@ def resolve(
     values: dict[str, Any] = {}
     #: Where each value came from: 0 forced, 1 the task's, 2 the app's.
     levels: dict[str, int] = {}
+    sources: tuple[Callable[[str], Any], ...] = (_forced.get, override, app_setting)
     for name in NAMES:
-        for level, source in enumerate((_forced.get, override, app_setting)):
+        for level, source in enumerate(sources):
             value = source(name)
             if value is not None:
                 values[name], levels[name] = value, level
