@@ -294,7 +294,7 @@ def check_tasks_and_stores(app) -> None:
     tasks = [task for task in app.tasks.values() if is_exclusive_task(task)]
     settings = [task.exclusive_settings for task in tasks]  # checks the key format too
     for task, one in zip(tasks, settings):
-        needs = ["windows"] if one.unique_for or one.rate is not None else []
+        needs = ["windows"] if one.keeps_lease else []
         needs += ["limits"] if one.rate is not None and one.limit > 1 else []
         for capability in needs:
             try:

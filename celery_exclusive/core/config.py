@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import os
 import re
 import sys
@@ -149,6 +150,12 @@ class Settings:
     #: ``on_duplicate``: "skip" drops it (a rate limit), "requeue" and "wait" delay it
     #: (a throttle). None: no rate. Sets ``limit`` to N.
     rate: Optional[str] = None
+
+    @functools.cached_property
+    def keeps_lease(self) -> bool:
+        """Whether a run's lease may be kept past its end (a window after it, a rate's
+        slot): the store must then let a renewal give it another ttl (``windows``)."""
+        return bool(self.unique_for) or self.rate is not None
 
 
 #: Every setting's name: the one list that task attributes, app settings and the RQ
@@ -399,9 +406,8 @@ def _check(owner: str, settings: Settings, describe: Callable[[str, Any], str]) 
             number = float(value)
         except (TypeError, ValueError):
             number = -1.0
-        finite = number == number and number != float("inf")
         if (
-            not finite
+            not math.isfinite(number)
             or number < 0
             or (name == "lease_ttl" and number <= 0)
             or isinstance(value, bool)

@@ -298,7 +298,7 @@ class Attempt:
         if call.resumed and settings.on_duplicate == "skip":
             settings = dataclasses.replace(settings, on_duplicate="requeue")
         rerun = settings.on_duplicate == "rerun" and bool(call.task_id)
-        if settings.unique_for or settings.rate is not None:
+        if settings.keeps_lease:
             require(call.backend, "windows", call.key)
         try:
             versions.ensure(call.backend, settings.key_prefix)
@@ -613,8 +613,7 @@ class Attempt:
         lease = self.lease
         if not isinstance(lease, HeldLease) or lease.released:
             return
-        settings = self.call.settings
-        keeps = (settings.unique_for or settings.rate is not None) and not self.retry_sent
+        keeps = self.call.settings.keeps_lease and not self.retry_sent
         keep = self._kept_after(lease, failed) if keeps and ended and not lease.lost else 0.0
         if keep > 0:
             self._keep_window(lease, keep)
@@ -641,18 +640,8 @@ class Attempt:
         """The run's uniqueness window: its end recorded as a release records it, then
         its lease kept for ``seconds`` and left to lapse. Its result is the host's to
         store (no release carries it)."""
-        call = self.call
-        if self.host.redelivery and call.task_id:
-            try:
-                self._mark_finished(lease)
-            except ExclusiveError as exc:
-                logger.warning(
-                    "could not record that %s[%s] ended (%s): a copy of its message "
-                    "delivered again after its window may run it once more",
-                    call.name,
-                    call.task_id,
-                    exc,
-                )
+        if self.host.redelivery and self.call.task_id:
+            self._record_end_on_its_own(lease, "ended")
         lease.keep_for(seconds)
 
     def handed_off(self) -> None:
@@ -662,16 +651,7 @@ class Attempt:
         again (where the broker hands it back), not a call ended with nothing sent."""
         call, lease = self.call, self.lease
         if self.host.redelivery and call.task_id and isinstance(lease, HeldLease):
-            try:
-                self._mark_finished(lease)
-            except ExclusiveError as exc:
-                logger.warning(
-                    "could not record that %s[%s] handed off to its retry (%s): a copy "
-                    "of its message delivered again may run it once more",
-                    call.name,
-                    call.task_id,
-                    exc,
-                )
+            self._record_end_on_its_own(lease, "handed off to its retry")
         self._drop_resume()
 
     def _release(self, lease: HeldLease, ended: bool, write: Optional[FinalWrite]) -> None:
@@ -684,16 +664,7 @@ class Attempt:
                 # The step with the release went unanswered (the lease was then given
                 # back the plain way): the mark may be missing. Written on its own now
                 # it still keeps a copy delivered later from running once more.
-                try:
-                    self._mark_finished(lease)
-                except ExclusiveError:
-                    logger.warning(
-                        "could not record that %s[%s] ended (%s): a copy of its message "
-                        "delivered again may run it once more",
-                        call.name,
-                        call.task_id,
-                        exc,
-                    )
+                self._record_end_on_its_own(lease, "ended", cause=exc)
         lease.release(End(write=write))
         self.result_written = lease.written
 
@@ -772,6 +743,25 @@ class Attempt:
                 return True
         self._mark_finished(lease)
         return False
+
+    def _record_end_on_its_own(
+        self, lease: HeldLease, what: str, cause: Optional[ExclusiveError] = None
+    ) -> None:
+        """:meth:`_mark_finished`, a store that does not take it said in a WARNING (naming
+        ``cause``, the failure that left the record to be written on its own, if any): a
+        copy of the message delivered again may then run the call once more."""
+        call = self.call
+        try:
+            self._mark_finished(lease)
+        except ExclusiveError as exc:
+            logger.warning(
+                "could not record that %s[%s] %s (%s): a copy of its message delivered "
+                "again may run it once more",
+                call.name,
+                call.task_id,
+                what,
+                cause or exc,
+            )
 
     def _mark_finished(self, lease: HeldLease) -> None:
         """Record that this attempt ended, on its own (not with the release)."""

@@ -231,9 +231,8 @@ MUTANTS = [
         "when the release that carries the record of the end goes unanswered, the record "
         "is not written again on its own",
         "engine/attempt.py",
-        "                try:\n                    self._mark_finished(lease)\n"
-        "                except ExclusiveError:",
-        "                try:\n                    pass\n                except ExclusiveError:",
+        '                self._record_end_on_its_own(lease, "ended", cause=exc)',
+        "                pass",
     ),
     Mutant(
         "own-orphan-grant-skips-the-call",

@@ -658,22 +658,15 @@ class World(Traced):
             self.note(f"body {task_id} v{version} ends: {body.how}")
 
     def _check_window(self, body: Body) -> None:
-        """A body starts no sooner than ``unique_for`` after the end of the key's last run
-        whose lease the store said it keeps for its window."""
+        """A body starts no sooner than ``unique_for`` after the end of the key's last run,
+        if that run's lease was :meth:`_kept` for its window."""
         window = self.config.unique_for
         if not window or not isinstance(body.lease, HeldLease):
             return
         for before in reversed(self.bodies):
             if before.key != body.key or before.ended is None:
                 continue
-            # Kept, as the store said; or certainly kept: a run that returned in a world
-            # without faults (no store call can fail there). Not once its process died:
-            # its worker frees what a dead process held, not knowing its run had ended.
-            kept = getattr(before.lease, "kept_for", None) or (
-                self.faultless and before.how == "returned" and not before.lease.lost
-            )
-            kept = kept and before.process.alive
-            if kept and body.started < before.ended + window - 1e-9:
+            if self._kept(before) and body.started < before.ended + window - 1e-9:
                 raise Violation(
                     f"body {body.task_id} starts on {body.key!r} at {body.started:.3f}, "
                     f"within the window of {window}s after {before.task_id}'s run ended at "
@@ -681,10 +674,21 @@ class World(Traced):
                 )
             return
 
+    def _kept(self, body: Body) -> bool:
+        """Whether the lease of ``body``'s run was kept past its end: as the store said,
+        or certainly (a run that returned in a world without faults, where no store call
+        can fail). Not once its process died: its worker frees what a dead process held,
+        not knowing that its run had ended."""
+        lease = body.lease
+        if not isinstance(lease, HeldLease) or not body.process.alive:
+            return False
+        returned = self.faultless and body.how == "returned" and not lease.lost
+        return lease.kept_for is not None or returned
+
     def _check_rate(self, body: Body) -> None:
         """Under a rate, a grant (as the store applied it) finds fewer than ``limit``
         earlier grants of its key in the period before it whose slots were certainly
-        held that long: still running, or ended and kept (as for :meth:`_check_window`)."""
+        held that long: still running, or ended and :meth:`_kept`."""
         period = self.config.rate_period
         if not period or not isinstance(body.lease, HeldLease):
             return
@@ -708,11 +712,7 @@ class World(Traced):
                 and not lease.lost
                 and before.process.alive
             )
-            kept = (
-                lease.kept_for is not None
-                or (self.faultless and before.how == "returned" and not lease.lost)
-            ) and before.process.alive
-            if running or (before.ended is not None and kept):
+            if running or (before.ended is not None and self._kept(before)):
                 held.append(before)
         if len(held) >= self.config.limit:
             raise Violation(
