@@ -9,30 +9,21 @@ Redis ledger with its start (one host: the workers' and the store's clocks agree
 from __future__ import annotations
 
 import time
-import uuid
 
 import pytest
 
 from tests.support.apps import kept
 from tests.support.apps.kept import RATE_PERIOD, RATE_RUNS
-from tests.support.cluster import Stack
+from tests.support.cluster import KEEPING_STORES, kept_stack
 from tests.support.workers import read_ledger
 
 #: How late a body may start after its grant (the store decides by the grant).
 SLACK = 0.1
 
 
-@pytest.fixture(scope="module", params=["redis", "sqlite", "postgresql"])
+@pytest.fixture(scope="module", params=KEEPING_STORES)
 def stack(request, redis_server, client_dbs, tmp_path_factory):
-    store = request.param
-    if store == "postgresql":
-        server = request.getfixturevalue("postgres_server")
-        store = f"{server.url}?schema=rate_{uuid.uuid4().hex[:8]}"
-    stack = Stack(redis_server, *client_dbs, store, tmp_path_factory)
-    app = "tests.support.apps.kept"
-    workers = (stack.worker(f"rate{i}", app=app, concurrency=3) for i in range(2))
-    with stack.running(*workers):
-        stack.configure_client(kept.app)
+    with kept_stack(request, redis_server, client_dbs, tmp_path_factory, "rate", 3) as stack:
         yield stack
 
 

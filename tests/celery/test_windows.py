@@ -9,31 +9,21 @@ agree).
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 
 from celery_exclusive import DuplicateSkipped
 from tests.support.apps import kept
 from tests.support.apps.kept import WINDOW
-from tests.support.cluster import Stack, wait_until
+from tests.support.cluster import KEEPING_STORES, Stack, kept_stack, wait_until
 from tests.support.workers import Worker, read_ledger
 
 #: Clock readings of two processes of one host, a run's end and the next one's start.
 SLACK = 0.05
 
 
-@pytest.fixture(scope="module", params=["redis", "sqlite", "postgresql"])
+@pytest.fixture(scope="module", params=KEEPING_STORES)
 def stack(request, redis_server, client_dbs, tmp_path_factory):
-    store = request.param
-    if store == "postgresql":
-        server = request.getfixturevalue("postgres_server")
-        store = f"{server.url}?schema=win_{uuid.uuid4().hex[:8]}"
-    stack = Stack(redis_server, *client_dbs, store, tmp_path_factory)
-    app = "tests.support.apps.kept"
-    workers = (stack.worker(f"win{i}", app=app, concurrency=2) for i in range(2))
-    with stack.running(*workers):
-        stack.configure_client(kept.app)
+    with kept_stack(request, redis_server, client_dbs, tmp_path_factory, "win", 2) as stack:
         yield stack
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import time
+import uuid
+from collections.abc import Iterator
 
 import redis
 
@@ -74,6 +76,31 @@ class Stack:
         self.ledger.delete("ledger", "entered", "signals", "versions")
         for told in self.ledger.scan_iter("release:*"):
             self.ledger.delete(told)
+
+
+#: The stores the kept tasks run on (tests/support/apps/kept.py): those with ``windows``.
+KEEPING_STORES = ["redis", "sqlite", "postgresql"]
+
+
+@contextlib.contextmanager
+def kept_stack(
+    request, redis_server, client_dbs, tmp_path_factory, name: str, concurrency: int
+) -> Iterator[Stack]:
+    """A stack on the store ``request.param`` names (of KEEPING_STORES; PostgreSQL in a
+    schema of its own), two workers of the kept tasks' app running on it, and this
+    process's copy of that app pointed at it."""
+    from tests.support.apps import kept
+
+    store = request.param
+    if store == "postgresql":
+        server = request.getfixturevalue("postgres_server")
+        store = f"{server.url}?schema={name}_{uuid.uuid4().hex[:8]}"
+    stack = Stack(redis_server, *client_dbs, store, tmp_path_factory)
+    app = "tests.support.apps.kept"
+    workers = (stack.worker(f"{name}{i}", app=app, concurrency=concurrency) for i in range(2))
+    with stack.running(*workers):
+        stack.configure_client(kept.app)
+        yield stack
 
 
 def wait_until(predicate, timeout: float, step: float = 0.02):

@@ -21,6 +21,9 @@ app.conf.update(
     result_backend=os.environ.get("EXCLUSIVE_TEST_BROKER", "cache+memory://"),
     exclusive_backend_url=os.environ.get("EXCLUSIVE_TEST_STORE", "memory://"),
     exclusive_lease_ttl=float(os.environ.get("EXCLUSIVE_TEST_TTL", "2")),
+    # As the ledger's: a call sent again (its own retry meeting its run) comes back soon.
+    exclusive_requeue_delay=0.05,
+    exclusive_requeue_max_delay=0.5,
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
     result_extended=True,
@@ -39,7 +42,6 @@ def _windowed_task(name: str, **options):
         exclusive_key="{key}",
         exclusive_unique_for=WINDOW,
         exclusive_requeue_delay=0.2,
-        exclusive_requeue_max_delay=0.5,
         **options,
     )
     def windowed(self, key: str, duration: float = 0.0, fail: bool = False) -> dict:
@@ -64,29 +66,23 @@ windowed_after_end = _windowed_task(
 RATE, RATE_RUNS, RATE_PERIOD = "3/2s", 3, 2.0
 
 
-@app.task(
-    name="kept.rated_skip",
-    base=ExclusiveTask,
-    bind=True,
-    exclusive_key="{key}",
-    exclusive_rate=RATE,
-    exclusive_skip_state="success",
-)
-def rated_skip(self, key: str, duration: float = 0.0) -> dict:
-    return run(self, key, duration)
+def _rated_task(name: str, **options):
+    @app.task(
+        name=f"kept.rated_{name}",
+        base=ExclusiveTask,
+        bind=True,
+        exclusive_key="{key}",
+        exclusive_rate=RATE,
+        **options,
+    )
+    def rated(self, key: str, duration: float = 0.0) -> dict:
+        return run(self, key, duration)
+
+    return rated
 
 
-@app.task(
-    name="kept.rated_wait",
-    base=ExclusiveTask,
-    bind=True,
-    exclusive_key="{key}",
-    exclusive_rate=RATE,
-    exclusive_on_duplicate="wait",
-    exclusive_wait_timeout=30,
-)
-def rated_wait(self, key: str, duration: float = 0.0) -> dict:
-    return run(self, key, duration)
+rated_skip = _rated_task("skip", exclusive_skip_state="success")
+rated_wait = _rated_task("wait", exclusive_on_duplicate="wait", exclusive_wait_timeout=30)
 
 
 @app.task(
