@@ -192,37 +192,45 @@ def claim(
     Raises :class:`BackendUnavailable` if the store does not answer; what happens then
     (``on_backend_error``) is the integration's call, since only it can requeue.
     """
-    finished_read, finished = False, None
-    if redelivery and task_id:
-        # Whether this attempt already ran to the end, read as the key is tried.
-        read = MarkRead(marks.finished_key(key, task_id), marks.DONE)
-        lease = acquire(
-            backend, key, settings.lease_ttl, settings.limit, name, task_id, None, task_id, read
-        )
-        finished, finished_read = read.value, lease is not None
-    else:
-        lease = _try(settings, backend, key, name, task_id, task_id)
-    if lease is not None:
-        copy = redelivery and task_id and settings.limit > 1
-        with lease.released_on_error():
-            if copy and _held_by(backend, key, task_id, lease):
-                # A semaphore had a slot left for the copy: give it back.
-                lease.release()
-                return SetAside(key, requeue_delay(settings, requeues), requeues + 1)
-        run = _run(settings, backend, key, task_id, lease)
-        if finished_read and not copy:
-            run = replace(run, finished_read=True, finished=finished)
-        # A copy that found no other slot of its task id held may have found it just
-        # after that delivery ended: its finished mark, written before its release, is
-        # read again now (as of the grant it may not have been there yet).
-        return _unless_ended(backend, run, task_id, retries, resumed, redelivery)
-
-    if redelivery and marks.ended(finished, retries, resumed):
-        return Dropped(key)  # even where a later attempt (a retry) holds the key
-    # Whom this call yields to: a task holding the key, else any holder (a lock, a
-    # foreign client: named in words), else whoever is first in line for the key.
-    infos = backend.holders_of(key)
-    holding = [info.task_id for info in infos if info.task_id]
+    for last_try in (False, True):
+        finished_read, finished = False, None
+        if redelivery and task_id:
+            # Whether this attempt already ran to the end, read as the key is tried.
+            read = MarkRead(marks.finished_key(key, task_id), marks.DONE)
+            lease = acquire(
+                backend, key, settings.lease_ttl, settings.limit, name, task_id, None, task_id, read
+            )
+            finished, finished_read = read.value, lease is not None
+        else:
+            lease = _try(settings, backend, key, name, task_id, task_id)
+        if lease is not None:
+            return _granted(
+                settings,
+                backend,
+                lease,
+                task_id,
+                requeues,
+                retries,
+                resumed,
+                redelivery,
+                finished_read,
+                finished,
+            )
+        if redelivery and marks.ended(finished, retries, resumed):
+            return Dropped(key)  # even where a later attempt (a retry) holds the key
+        # Whom this call yields to: a task holding the key, else any holder (a lock, a
+        # foreign client: named in words), else whoever is first in line for the key.
+        infos = backend.holders_of(key)
+        holding = [info.task_id for info in infos if info.task_id]
+        described = None if holding else holders.first_described(infos)
+        holder = next(iter(holding), None)
+        if holder is None and described is None:
+            holder = next(iter(marks.line_of(backend, key)), None)
+        if holder is not None or described is not None or last_try:
+            break
+        # Refused, yet nobody holds the key or waits for it now: it came free between
+        # the grant and the read. Tried once more, the call is not ended as a duplicate
+        # of nobody (a call's own retry, sent as its run goes on, meets it as it ends).
     if redelivery and task_id and (task_id in holding or marks.waiting(backend, key, task_id)):
         # A copy of a call that runs now, or waits for the key now: it runs once.
         return SetAside(key, requeue_delay(settings, requeues), requeues + 1)
@@ -240,10 +248,10 @@ def claim(
         # comes back once that grant lapses, whatever the policy. (A new message reusing
         # a running call's id is skipped.)
         settings = replace(settings, on_duplicate="requeue")
-    described = None if holding else holders.first_described(infos)
-    holder = next(iter(holding), None)
-    if holder is None and described is None:
-        holder = next(iter(marks.line_of(backend, key)), None)
+    elif holder is None and described is None:
+        # The key kept coming free between a refused grant and the read: the call met
+        # nobody to be a duplicate of, so it is not ended as one; it comes back.
+        settings = replace(settings, on_duplicate="requeue")
     duplicate = Duplicate(
         settings,
         backend,
@@ -271,6 +279,35 @@ def claim(
         return requeued
     _detected(name, key, task_id, settings.on_duplicate, holder)
     return find_strategy(settings.on_duplicate)(duplicate)
+
+
+def _granted(
+    settings: Settings,
+    backend: Backend,
+    lease: HeldLease,
+    task_id: Optional[str],
+    requeues: int,
+    retries: int,
+    resumed: bool,
+    redelivery: bool,
+    finished_read: bool,
+    finished: Optional[str],
+) -> Claimed:
+    """What a call that took ``lease`` gets: it runs, unless (with ``redelivery``) it is
+    a copy of a call that runs now or whose attempt already ended."""
+    copy = redelivery and task_id and settings.limit > 1
+    with lease.released_on_error():
+        if copy and _held_by(backend, lease.key, task_id, lease):
+            # A semaphore had a slot left for the copy: give it back.
+            lease.release()
+            return SetAside(lease.key, requeue_delay(settings, requeues), requeues + 1)
+    run = _run(settings, backend, lease.key, task_id, lease)
+    if finished_read and not copy:
+        run = replace(run, finished_read=True, finished=finished)
+    # A copy that found no other slot of its task id held may have found it just after
+    # that delivery ended: its finished mark, written before its release, is read again
+    # now (as of the grant it may not have been there yet).
+    return _unless_ended(backend, run, task_id, retries, resumed, redelivery)
 
 
 def wait_for(

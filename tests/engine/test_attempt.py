@@ -473,6 +473,28 @@ def test_a_call_resuming_a_stopped_run_is_requeued_not_skipped(memory_url):
     assert isinstance(outcome, outcomes.Requeue) and outcome.cause == "held"
 
 
+def test_a_call_refused_as_its_holder_lets_go_runs_rather_than_skipped_as_held_by_nobody(
+    memory_url, monkeypatch
+):
+    # A body's own retry (retry(throw=False)) meets its run as it ends: the grant is
+    # refused, the holder releases, and the read of who holds the key finds nobody.
+    call = a_call(memory_url, on_duplicate="skip")
+    call.retries = 1
+    lock = holding(call)
+    held = lock.__enter__()
+    read_holders = call.backend.holders_of
+
+    def after_the_release(key):
+        if not held.released:
+            lock.__exit__(None, None, None)
+        return read_holders(key)
+
+    monkeypatch.setattr(call.backend, "holders_of", after_the_release)
+    ran = []
+    outcome = attempt.run(call, WORKER, lambda args, kwargs: ran.append(args))
+    assert outcome == outcomes.Ran(None) and ran == [(1,)]
+
+
 @pytest.mark.parametrize("where", ["close", "_leave"])
 def test_an_interrupt_landing_as_the_body_exits_still_ends_the_attempt_and_its_stopper(
     memory_url, monkeypatch, where

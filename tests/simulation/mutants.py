@@ -239,8 +239,8 @@ MUTANTS = [
         "a call meeting the grant of its own earlier attempt (its answer lost) is skipped "
         "as a duplicate of itself",
         "core/policies.py",
-        '        settings = replace(settings, on_duplicate="requeue")\n    described',
-        "        pass\n    described",
+        '        settings = replace(settings, on_duplicate="requeue")\n    elif holder',
+        "        pass\n    elif holder",
     ),
     Mutant(
         "retried-call-skips-itself",
@@ -324,6 +324,14 @@ MUTANTS = [
         "engine/attempt.py",
         "            keep = max(keep, period - elapsed + RATE_MARGIN)",
         "            keep = max(keep, 0.0 * elapsed)",
+    ),
+    Mutant(
+        "duplicate-of-nobody-skipped",
+        "a call refused as the key came free, that then finds no holder, is skipped anyway",
+        "core/policies.py",
+        "    elif holder is None and described is None:",
+        "    elif False:",
+        faults=3,
     ),
     Mutant(
         "beat-admits-every-tick",

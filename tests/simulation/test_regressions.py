@@ -97,6 +97,14 @@ FOUND = [
         "call of its key is sent while it is queued again",
     ),
     (
+        "duplicate-of-nobody-skipped",
+        91,
+        3,
+        "a call refused as its holder let go tries once more, and one that still finds "
+        "nobody holding comes back rather than skipped: a body's own retry(throw=False) "
+        "meeting its run as it ended was lost",
+    ),
+    (
         "retried-call-skips-itself",
         897,
         3,

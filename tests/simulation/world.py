@@ -1177,6 +1177,11 @@ class SimOutcomes(outcomes.OutcomeHandler):
 
     def handle_skipped(self, outcome: outcomes.Skipped) -> Any:
         self._not_itself(outcome.holder_task_id)
+        if outcome.holder_task_id is None and outcome.holder is None:
+            raise Violation(
+                f"{self.message.task_id} was ended as a duplicate of nobody: the key came "
+                "free between its refused grant and the read of its holders"
+            )
         self._done("skipped", outcome.holder_task_id)
 
     def handle_coalesced(self, outcome: outcomes.Coalesced) -> Any:
