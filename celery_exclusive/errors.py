@@ -179,10 +179,12 @@ class DuplicateSkipped(ExclusiveError):
 
 
 class DuplicateCoalesced(DuplicateSkipped):
-    """The result of a duplicate under the ``rerun`` policy that joined the pending rerun.
+    """The result of a duplicate under the ``rerun`` policy that joined the pending rerun,
+    or of a debounced call that a later call of its burst covers.
 
     It did not run and is not lost: the pending rerun, task ``holder_task_id``, runs
-    once after the current holder, with the latest duplicate's arguments.
+    once after the current holder, with the latest duplicate's arguments; or, debounced,
+    the call ``holder_task_id`` took the burst and runs it, with its latest arguments.
     """
 
 

@@ -50,6 +50,9 @@ SET_ASIDE_HEADER = "exclusive_set_aside"
 #: Message header of a call sent again under ``rerun``: when the change its arguments
 #: carry first reached the library (``attempt.Call.as_of``).
 AS_OF_HEADER = "exclusive_as_of"
+#: Message header of a call sent again under ``debounce``: it joined its key's burst,
+#: and runs when it comes back if it is still the burst's latest call.
+DEBOUNCED_HEADER = "exclusive_debounced"
 
 #: The broker's visibility timeout when ``broker_transport_options`` sets none
 #: (kombu's Redis and SQS transports: one hour).
@@ -158,6 +161,7 @@ def _call_exclusive(
         resumed=bool(_header(request, RESUMED_HEADER, False)),
         set_aside=bool(_header(request, SET_ASIDE_HEADER, False)),
         as_of=stamp_of(request),
+        debounced=bool(_header(request, DEBOUNCED_HEADER, False)),
     )
     outcome = attempt.run(the_call, host_of(task, request, settings), lambda a, k: body(*a, **k))
     handler = CeleryOutcomes(task)
@@ -295,17 +299,22 @@ class CeleryOutcomes(outcomes.OutcomeHandler):
 
     def handle_coalesced(self, outcome: outcomes.Coalesced) -> Any:
         key, task_id, rerun = outcome.key, self.request.id, outcome.rerun_task_id
-        logger.info("duplicate coalesced key=%s task_id=%s rerun=%s", key, task_id, rerun)
-        return _duplicate_ends(
-            self.task,
-            DuplicateCoalesced(
+        if outcome.debounced:
+            logger.info("debounced call coalesced key=%s task_id=%s into=%s", key, task_id, rerun)
+            said = (
+                f"{self.task.name}[{task_id}] was debounced: task {rerun} runs its burst "
+                f"of {key!r} instead, once with the latest call's arguments."
+            )
+        else:
+            logger.info("duplicate coalesced key=%s task_id=%s rerun=%s", key, task_id, rerun)
+            said = (
                 f"{self.task.name}[{task_id}] joined the pending rerun of {key!r}, task "
-                f"{rerun}, which runs once after the current holder.",
-                key,
-                rerun,
-            ),
-            {"outcome": "coalesced", "key": key, "rerun": rerun},
-        )
+                f"{rerun}, which runs once after the current holder."
+            )
+        result = {"outcome": "coalesced", "key": key, "rerun": rerun}
+        if outcome.debounced:
+            result["debounced"] = True
+        return _duplicate_ends(self.task, DuplicateCoalesced(said, key, rerun), result)
 
     def handle_requeue(self, outcome: outcomes.Requeue) -> NoReturn:
         """Send this call again after the countdown, then end this attempt."""
@@ -415,6 +424,8 @@ def send_again(task: Any, request: Any, outcome: outcomes.Requeue) -> Any:
     headers[REQUEUES_HEADER] = outcome.requeues
     if outcome.cause == "lost":
         headers[RESUMED_HEADER] = True
+    if outcome.cause == "debounce":
+        headers[DEBOUNCED_HEADER] = True
     if outcome.as_of is not None:
         headers[AS_OF_HEADER] = outcome.as_of
     signature = task.signature_from_request(
@@ -429,7 +440,7 @@ def send_again(task: Any, request: Any, outcome: outcomes.Requeue) -> Any:
         signature.apply_async()
     logger.info(
         "%s key=%s task_id=%s countdown=%.2fs: %s",
-        _REQUEUED_AS[outcome.cause],
+        outcomes.REQUEUED_AS[outcome.cause],
         outcome.key,
         request.id,
         outcome.countdown,
@@ -454,14 +465,6 @@ def send_owed_run(task: Any, task_id: Optional[str], owed: outcomes.OwedRun, why
         why,
         sent.id,
     )
-
-
-#: How a requeue is logged, by its cause.
-_REQUEUED_AS = {
-    "held": "duplicate requeued",
-    "unanswered": "requeued until the lease store answers",
-    "lost": "requeued after its lease was lost",
-}
 
 
 # --- the call in its thread ----------------------------------------------------------------

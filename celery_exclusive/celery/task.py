@@ -82,6 +82,8 @@ class ExclusiveTask(Task):
     exclusive_unique_for: Optional[float] = None
     exclusive_unique_after: Optional[config.UniqueAfter] = None
     exclusive_rate: Optional[str] = None
+    exclusive_debounce: Optional[float] = None
+    exclusive_debounce_max_wait: Optional[float] = None
 
     #: A skipped duplicate is an expected outcome: logged at INFO, no traceback. A
     #: subclass's or ``@app.task(throws=...)``'s own are added to it, never replace it.
@@ -234,7 +236,7 @@ class ExclusiveTask(Task):
         options: dict[str, Any],
     ) -> Any:
         settings = self.exclusive_settings
-        if settings.on_duplicate == "rerun":
+        if settings.on_duplicate == "rerun" or settings.debounce:
             options = stamped(options)
         if settings.scope == "run" or self.app.conf.task_always_eager:
             return super().apply_async(args, kwargs, task_id=task_id, **options)
@@ -411,8 +413,9 @@ def _override_names(cls: type) -> list[str]:
 def stamped(options: dict[str, Any]) -> dict[str, Any]:
     """``apply_async``'s options, with the header that says when the change the call
     carries was sent (``execution.AS_OF_HEADER``, this host's clock), unless it has one:
-    under ``rerun`` it orders the changes that join a pending rerun, whatever
-    redeliveries and requeues do to the order in which they reach a worker."""
+    under ``rerun`` it orders the changes that join a pending rerun (under ``debounce``,
+    a burst), whatever redeliveries and requeues do to the order in which they reach
+    a worker."""
     headers = dict(options.get("headers") or {})
     if execution.AS_OF_HEADER in headers:
         return options

@@ -150,6 +150,14 @@ class Settings:
     #: ``on_duplicate``: "skip" drops it (a rate limit), "requeue" and "wait" delay it
     #: (a throttle). None: no rate. Sets ``limit`` to N.
     rate: Optional[str] = None
+    #: Seconds a queued call waits for a later one of its key (a debounce: Inngest's
+    #: ``debounce period``, BullMQ's debounce ``delay``): of a burst of calls, only the
+    #: last runs, with its arguments, this long after it came; the others end coalesced
+    #: into it. 0: no debounce. Calls that cannot be sent again (direct, eager) run at once.
+    debounce: float = 0.0
+    #: Seconds from a burst's first call after which its latest call runs even if calls
+    #: keep coming (Inngest's debounce ``timeout``). 0: no bound.
+    debounce_max_wait: float = 0.0
 
     @functools.cached_property
     def keeps_lease(self) -> bool:
@@ -400,6 +408,8 @@ def _check(owner: str, settings: Settings, describe: Callable[[str, Any], str]) 
         "enqueue_ttl",
         "terminate_grace",
         "unique_for",
+        "debounce",
+        "debounce_max_wait",
     ):
         value = getattr(settings, name)
         try:
@@ -415,6 +425,27 @@ def _check(owner: str, settings: Settings, describe: Callable[[str, Any], str]) 
             raise bad(name, value, "use a positive number of seconds")
         numbers[name] = number
 
+    if numbers["debounce_max_wait"] and not numbers["debounce"]:
+        raise bad(
+            "debounce_max_wait",
+            settings.debounce_max_wait,
+            "it bounds a debounce: give the task a debounce period too",
+        )
+    if numbers["debounce"] and settings.on_duplicate == "rerun":
+        raise bad(
+            "on_duplicate",
+            settings.on_duplicate,
+            f"a debounce already runs the latest of its calls once: choose 'requeue' or "
+            f"'wait' for the run that meets the previous one with "
+            f"{describe('debounce', settings.debounce)}",
+        )
+    if numbers["debounce"] and settings.scope != "run":
+        raise bad(
+            "scope",
+            settings.scope,
+            f"a debounced task's calls all go out to be coalesced at run time: leave it "
+            f"'run' with {describe('debounce', settings.debounce)}",
+        )
     limit = settings.limit
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise bad("limit", limit, "use a whole number of at least 1")

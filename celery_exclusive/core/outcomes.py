@@ -116,10 +116,13 @@ class Skipped:
 @dataclass(frozen=True)
 class Coalesced:
     """A duplicate under ``rerun`` that joined the pending rerun ``rerun_task_id``, which
-    runs once after the current holder, with the latest arguments, instead of it."""
+    runs once after the current holder, with the latest arguments, instead of it; or,
+    ``debounced``, a call of a burst (:mod:`.debounce`) covered by the run of the call
+    ``rerun_task_id`` that took the burst, with its latest call's arguments."""
 
     key: str
     rerun_task_id: str
+    debounced: bool = False
 
     def carry_out(self, host: OutcomeHandler) -> Any:
         return host.handle_coalesced(self)
@@ -130,7 +133,9 @@ class Requeue:
     """Send the call again after ``countdown`` seconds and end this attempt.
 
     ``cause`` says why: ``"held"`` (a duplicate), ``"unanswered"`` (the store did not
-    answer) or ``"lost"`` (the body was stopped by the loss of its lease).
+    answer), ``"lost"`` (the body was stopped by the loss of its lease) or
+    ``"debounce"`` (it waits for later calls of its burst: :mod:`.debounce`; it comes
+    back marked as debounced, and the requeue is no duplicate's, counted in none).
     ``requeues`` is the count the call carries from now on; ``reason`` says why in
     words, for logs and messages. A duplicate yields to the task ``holder_task_id`` or,
     when that is no task, to ``holder`` in words (a lock, a foreign client).
@@ -157,6 +162,15 @@ class Requeue:
 
     def carry_out(self, host: OutcomeHandler) -> Any:
         return host.handle_requeue(self)
+
+
+#: How a requeue is logged, by its cause.
+REQUEUED_AS = {
+    "held": "duplicate requeued",
+    "unanswered": "requeued until the lease store answers",
+    "lost": "requeued after its lease was lost",
+    "debounce": "debounced: requeued until its burst is over",
+}
 
 
 @dataclass(frozen=True)

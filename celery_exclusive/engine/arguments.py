@@ -16,7 +16,9 @@ from kombu.utils.json import dumps, loads
 from ..errors import ExclusiveError
 
 
-def encode_call(name: str, args, kwargs, as_of: Optional[float] = None) -> str:
+def encode_call(
+    name: str, args, kwargs, as_of: Optional[float] = None, kept_by: str = "on_duplicate='rerun'"
+) -> str:
     """A call's arguments as JSON, for a pending rerun to run with; ``as_of``: when the
     change they carry first reached the library (``marks.changed_at`` reads it), which
     orders changes that join the pending rerun out of order."""
@@ -27,8 +29,8 @@ def encode_call(name: str, args, kwargs, as_of: Optional[float] = None) -> str:
         return dumps(call)
     except TypeError as exc:
         raise ExclusiveError(
-            f"{name}: on_duplicate='rerun' keeps the latest duplicate's arguments in the "
-            f"lease store as JSON, and these are not serializable: {exc}."
+            f"{name}: {kept_by} keeps the latest call's arguments in the lease store as "
+            f"JSON, and these are not serializable: {exc}."
         ) from None
 
 

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Union
 from .. import runtime, telemetry
 from ..backends import Backend, End, FinalWrite, MarkSwap, versions
 from ..backends.base import require
-from ..core import marks, outcomes, policies, terminate
+from ..core import debounce, marks, outcomes, policies, terminate
 from ..core.config import Settings, parse_rate
 from ..core.lease import HeldLease, UnlockedLease
 from ..core.outcomes import Outcome
@@ -126,6 +126,9 @@ class Call:
     #: time, stamped at its first attempt under ``rerun`` and sent along with every
     #: requeue): orders the changes that join a pending rerun out of order. None: now.
     as_of: Optional[float] = None
+    #: Whether the call joined its key's burst already and comes back from it (under
+    #: ``debounce``): it runs if it is still the burst's latest call, else it is covered.
+    debounced: bool = False
 
 
 _attempts: ContextVar[tuple[Attempt, ...]] = ContextVar("exclusive_attempts", default=())
@@ -295,7 +298,8 @@ class Attempt:
 
     def _claim(self) -> Union[Outcome, Granted, Unlocked]:
         call, settings, host = self.call, self.call.settings, self.host
-        if call.resumed and settings.on_duplicate == "skip":
+        if (call.resumed or call.debounced) and settings.on_duplicate == "skip":
+            # Late, not a duplicate: a run stopped, or the one run its burst left.
             settings = dataclasses.replace(settings, on_duplicate="requeue")
         rerun = settings.on_duplicate == "rerun" and bool(call.task_id)
         if settings.keeps_lease:
@@ -307,6 +311,11 @@ class Attempt:
         except LayoutMismatch as exc:
             return self._in_another_layout(exc)
         try:
+            burst: Optional[debounce.Turn] = None
+            if settings.debounce and call.task_id and host.can_requeue:
+                burst = self._debounce()
+                if not isinstance(burst, debounce.Turn):
+                    return burst
             arguments = None
             if rerun:
                 if self.as_of is None:
@@ -334,6 +343,11 @@ class Attempt:
                 resumed=call.resumed,
                 noun=host.noun,
             )
+            if isinstance(claimed, Granted) and burst is not None:
+                taken = self._take_burst(claimed, burst)
+                if isinstance(taken, outcomes.Coalesced):
+                    return taken
+                claimed = taken
             if isinstance(claimed, Granted):
                 if claimed.finished_read:
                     # What the end of the attempt swaps the finished mark from.
@@ -356,6 +370,69 @@ class Attempt:
         # SetAside and Dropped leave the arguments kept for the task id, if any: they are
         # its first delivery's, or a later attempt's (a retry's, running now).
         return claimed
+
+    def _debounce(
+        self,
+    ) -> Union[outcomes.Requeue, outcomes.Coalesced, outcomes.Dropped, debounce.Turn]:
+        """Under ``debounce``: a call arriving makes its arguments its key's burst's and
+        goes back to the queue until the burst is due; one coming back waits on if a
+        later call moved the burst on, ends covered by the run of the call that took
+        it, or takes it (the :class:`~.debounce.Turn` it gets: run with its arguments)."""
+        call, settings = self.call, self.call.settings
+        task_id = call.task_id or ""
+        if not call.debounced:
+            if self.as_of is None:
+                # Its first attempt: the change it carries reaches the library now.
+                self.as_of = call.backend.store_time()
+            arguments = encode_call(
+                call.name, call.args, call.kwargs, self.as_of, kept_by="debounce"
+            )
+            due = debounce.join(
+                call.backend,
+                call.key,
+                task_id,
+                arguments,
+                settings.debounce,
+                settings.debounce_max_wait,
+            )
+            reason = f"its burst is due in {due:.3g}s unless a later call of its key comes"
+            return outcomes.Requeue(
+                call.key, due, reason, "debounce", call.requeues, as_of=self.as_of
+            )
+        if self.host.redelivery:
+            # A copy of a delivery that came back and ran (or was covered) is dropped, as
+            # the claim drops one: its burst may have been taken since by another call.
+            finished = marks.finished_mark(call.backend, call.key, task_id)
+            if marks.ended(finished, call.retries, call.resumed):
+                return outcomes.Dropped(call.key)
+        turn = debounce.turn(call.backend, call.key, task_id)
+        if turn.wait:
+            reason = f"a later call moved its burst on: due in {turn.wait:.3g}s"
+            return outcomes.Requeue(call.key, turn.wait, reason, "debounce", call.requeues)
+        if turn.covered_by is not None:
+            return self._covered(turn.covered_by)
+        return turn
+
+    def _take_burst(
+        self, granted: Granted, turn: debounce.Turn
+    ) -> Union[Granted, outcomes.Coalesced]:
+        """Holding the key, take its due burst and run with its arguments; if another
+        call took it meanwhile, give the key back: this call is covered by that run."""
+        call, lease = self.call, granted.lease
+        if not turn.taken:
+            with lease.released_on_error():
+                turn = debounce.take(call.backend, call.key, call.task_id or "")
+            if turn.covered_by is not None:
+                lease.release()
+                return self._covered(turn.covered_by)
+        if turn.arguments is None:
+            return granted
+        return dataclasses.replace(granted, arguments=turn.arguments)
+
+    def _covered(self, run_by: str) -> outcomes.Coalesced:
+        self._drop_resume()
+        self._record_end_without_body()
+        return outcomes.Coalesced(self.call.key, run_by, debounced=True)
 
     def _requeue(self, requeue: outcomes.Requeue) -> Union[outcomes.Requeue, outcomes.GaveUp]:
         """Send the call again as ``requeue`` says: unless it was requeued

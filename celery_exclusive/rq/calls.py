@@ -107,6 +107,8 @@ def exclusive(
     unique_for: Optional[float] = None,
     unique_after: Optional[UniqueAfter] = None,
     rate: Optional[str] = None,
+    debounce: Optional[float] = None,
+    debounce_max_wait: Optional[float] = None,
 ) -> Callable[[F], F]: ...
 
 

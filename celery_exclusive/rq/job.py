@@ -61,13 +61,6 @@ REQUEUED = "requeued"
 #: The worker name RQ gives a job run by a synchronous queue: it has no queue to go back to.
 SYNCHRONOUS = "sync"
 
-#: How a requeue is logged, by its cause.
-_REQUEUED_AS = {
-    "held": "duplicate requeued",
-    "unanswered": "requeued until the lease store answers",
-    "lost": "requeued after its lease was lost",
-}
-
 
 def log_beside_the_worker() -> None:
     """Under ``rq worker``, the library's lines go where the worker's own go, at its level.
@@ -147,6 +140,7 @@ class ExclusiveJob(Job):
             # no duplicate: it meets a holder only because it comes back later.
             resumed=self._retrying(),
             as_of=self._exclusive_as_of(),
+            debounced=self._exclusive_meta().get("debounced") is True,
         )
         synchronous = self._synchronous
         host = attempt.Host(
@@ -277,6 +271,8 @@ class ExclusiveJob(Job):
             record["retry"] = True
         if self._exclusive_as_of() is not None:
             record["as_of"] = self._exclusive_as_of()
+        if self._exclusive_meta().get("debounced") is True:
+            record["debounced"] = True
         record.update(details)
         self.meta[META_KEY] = record
         self.save_meta()
@@ -319,10 +315,11 @@ class ExclusiveJob(Job):
             requeues=outcome.requeues,
             delay=countdown,
             as_of=outcome.as_of,
+            **({"debounced": True} if outcome.cause == "debounce" else {}),
         )
         logger.info(
             "%s key=%s job_id=%s in %.1fs%s: %s",
-            _REQUEUED_AS[outcome.cause],
+            outcomes.REQUEUED_AS[outcome.cause],
             key,
             self.id,
             countdown,
@@ -390,7 +387,11 @@ class ExclusiveJob(Job):
             "requeued", rerun.key, reason=rerun.reason, requeues=rerun.requeues, retry=True
         )
         logger.warning(
-            "%s key=%s job_id=%s: %s", _REQUEUED_AS[rerun.cause], rerun.key, self.id, rerun.reason
+            "%s key=%s job_id=%s: %s",
+            outcomes.REQUEUED_AS[rerun.cause],
+            rerun.key,
+            self.id,
+            rerun.reason,
         )
         self._exclusive_ending = REQUEUED
         if self._scheduler_runs():
@@ -468,7 +469,10 @@ class JobOutcomes(outcomes.OutcomeHandler):
 
     def handle_coalesced(self, outcome: outcomes.Coalesced) -> Any:
         key, rerun = outcome.key, outcome.rerun_task_id
-        logger.info("duplicate coalesced key=%s job_id=%s rerun=%s", key, self.job.id, rerun)
+        if outcome.debounced:
+            logger.info("debounced job coalesced key=%s job_id=%s into=%s", key, self.job.id, rerun)
+        else:
+            logger.info("duplicate coalesced key=%s job_id=%s rerun=%s", key, self.job.id, rerun)
         return self.job._end_unrun("coalesced", key, rerun=rerun)
 
     def handle_requeue(self, outcome: outcomes.Requeue) -> Any:

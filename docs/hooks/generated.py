@@ -148,6 +148,8 @@ GUIDES = {
     "unique_for": ("A window after the run", "../how-to/duplicates/window.md"),
     "unique_after": ("A window after the run", "../how-to/duplicates/window.md"),
     "rate": ("Rate limits and throttles", "../how-to/duplicates/rate.md"),
+    "debounce": ("Debounce", "../how-to/duplicates/debounce.md"),
+    "debounce_max_wait": ("Debounce", "../how-to/duplicates/debounce.md"),
 }
 
 

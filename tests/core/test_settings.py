@@ -81,6 +81,8 @@ def test_other_brokers_default_to_a_sqlite_file_private_to_the_app():
         ("unique_for", -1, "positive number of seconds"),
         ("unique_for", float("inf"), "positive number of seconds"),
         ("unique_after", "always", "'success', 'end'"),
+        ("debounce", -1, "positive number of seconds"),
+        ("debounce", "soon", "positive number of seconds"),
         ("rate", "fast", "runs per period: '10/m'"),
         ("rate", "0/m", "runs per period: '10/m'"),
     ],
@@ -140,3 +142,18 @@ def test_a_tasks_own_limit_beside_its_rate_is_refused_naming_both():
 def test_a_rate_that_is_no_text_is_named():
     with pytest.raises(ConfigurationError, match=r"exclusive_rate=\['10/m'\]"):
         resolve("api.call", {"rate": ["10/m"]}.get, lambda name: None)
+
+
+def test_a_debounce_max_wait_without_a_debounce_is_refused():
+    with pytest.raises(ConfigurationError, match="exclusive_debounce_max_wait=60.*debounce"):
+        resolve("search.reindex", {"debounce_max_wait": 60}.get, lambda name: None)
+
+
+def test_a_debounce_under_enqueue_scope_is_refused_naming_both():
+    with pytest.raises(ConfigurationError, match="exclusive_scope='both'.*exclusive_debounce=5"):
+        resolve("search.reindex", {"debounce": 5, "scope": "both"}.get, lambda name: None)
+
+
+def test_a_debounce_under_rerun_is_refused_naming_both():
+    with pytest.raises(ConfigurationError, match="exclusive_on_duplicate='rerun'.*debounce=5"):
+        resolve("search.reindex", {"debounce": 5, "on_duplicate": "rerun"}.get, lambda n: None)

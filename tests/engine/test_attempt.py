@@ -603,3 +603,93 @@ def test_unique_for_on_a_store_without_windows_is_refused_naming_the_capability(
     call = a_call("etcd://127.0.0.1:9/none", unique_for=30.0)
     with pytest.raises(ConfigurationError, match="does not offer windows.*exclusive_unique_for"):
         attempt.run(call, WORKER, lambda a, k: pytest.fail("ran"))
+
+
+# --- debounce ------------------------------------------------------------------------------
+
+
+def a_burst_call(url: str, key: str, task_id: str, **settings) -> attempt.Call:
+    call = a_call(url, task_id, debounce=5.0, **settings)
+    call.key = key
+    return call
+
+
+def test_a_debounced_call_goes_back_to_the_queue_for_the_period_without_running(memory_url):
+    call = a_call(memory_url, debounce=5.0)
+    outcome = attempt.run(call, WORKER, pytest.fail)
+    assert isinstance(outcome, outcomes.Requeue)
+    assert (outcome.cause, outcome.countdown, outcome.requeues) == ("debounce", 5.0, 0)
+
+
+def test_a_burst_runs_once_with_its_latest_arguments_and_its_other_calls_are_covered(
+    memory_url, monkeypatch
+):
+    key = f"exclusive:{uuid.uuid4().hex[:8]}"
+    calls = [a_burst_call(memory_url, key, f"call-{n}") for n in range(3)]
+    for n, call in enumerate(calls):
+        call.args = (n,)
+        assert attempt.run(call, WORKER, pytest.fail).cause == "debounce"
+    clock = calls[0].backend.store_time
+    monkeypatch.setattr(calls[0].backend, "store_time", lambda: clock() + 5.0)  # due now
+    ran, ends = [], []
+    for call in calls:
+        call.debounced = True
+        ends.append(attempt.run(call, WORKER, lambda a, k, call=call: ran.append((call, a))))
+    # Whichever call comes back first takes the burst, and runs the latest change.
+    assert ran == [(calls[0], (2,))]
+    assert ends[1:] == [outcomes.Coalesced(key, "call-0", debounced=True)] * 2
+
+
+def test_a_call_come_back_before_its_burst_is_due_goes_back_until_it_is(memory_url):
+    key = f"exclusive:{uuid.uuid4().hex[:8]}"
+    calls = [a_burst_call(memory_url, key, f"call-{n}") for n in range(2)]
+    for call in calls:
+        attempt.run(call, WORKER, pytest.fail)
+    calls[0].debounced = True
+    outcome = attempt.run(calls[0], WORKER, pytest.fail)
+    assert outcome.cause == "debounce" and 4.5 < outcome.countdown <= 5.0
+
+
+def test_a_burst_bounded_by_max_wait_is_due_no_later_than_max_wait_after_its_first_call(
+    memory_url, monkeypatch
+):
+    key = f"exclusive:{uuid.uuid4().hex[:8]}"
+    first = a_burst_call(memory_url, key, "first", debounce_max_wait=6.0)
+    assert attempt.run(first, WORKER, pytest.fail).countdown == 5.0
+    later = a_burst_call(memory_url, key, "later", debounce_max_wait=6.0)
+    clock = later.backend.store_time
+    monkeypatch.setattr(later.backend, "store_time", lambda: clock() + 4.0)  # 4 s on
+    assert attempt.run(later, WORKER, pytest.fail).countdown == pytest.approx(2.0, abs=0.1)
+
+
+def test_a_call_after_a_burst_ran_opens_a_new_burst(memory_url, monkeypatch):
+    key = f"exclusive:{uuid.uuid4().hex[:8]}"
+    first = a_burst_call(memory_url, key, "first")
+    attempt.run(first, WORKER, pytest.fail)
+    clock = first.backend.store_time
+    monkeypatch.setattr(first.backend, "store_time", lambda: clock() + 5.0)
+    first.debounced = True
+    assert attempt.run(first, WORKER, lambda a, k: "ran") == outcomes.Ran("ran")
+    second = a_burst_call(memory_url, key, "second")
+    assert attempt.run(second, WORKER, pytest.fail).countdown == 5.0
+
+
+def test_the_run_a_burst_left_is_requeued_not_skipped_when_it_meets_a_holder(
+    memory_url, monkeypatch
+):
+    key = f"exclusive:{uuid.uuid4().hex[:8]}"
+    call = a_burst_call(memory_url, key, "only", on_duplicate="skip")
+    attempt.run(call, WORKER, pytest.fail)
+    clock = call.backend.store_time
+    monkeypatch.setattr(call.backend, "store_time", lambda: clock() + 5.0)
+    call.debounced = True
+    with holding(call):
+        outcome = attempt.run(call, WORKER, pytest.fail)
+    assert isinstance(outcome, outcomes.Requeue) and outcome.cause == "held"
+    # Back once the holder is gone: it took the burst, and runs it.
+    assert attempt.run(call, WORKER, lambda a, k: "ran") == outcomes.Ran("ran")
+
+
+def test_a_debounced_call_without_a_queue_runs_at_once(memory_url):
+    call = a_call(memory_url, debounce=5.0)
+    assert attempt.run(call, DIRECT, lambda a, k: "ran") == outcomes.Ran("ran")

@@ -266,6 +266,21 @@ def test_a_throttled_burst_runs_every_job_no_faster_than_the_rate(rq_stack):
         assert third - first >= rq_jobs.RATE_PERIOD - 0.1, starts
 
 
+def test_a_debounced_burst_runs_once_with_its_last_version_and_cancels_the_rest(rq_stack):
+    jobs = []
+    for version in range(1, 4):
+        jobs.append(rq_stack.enqueue(rq_jobs.debounced, "rq-burst", version))
+        time.sleep(0.2)
+    statuses = wait_done(jobs, timeout=30)
+    assert sorted(statuses) == ["canceled", "canceled", "finished"], statuses
+    [runner] = [job for job, state in zip(jobs, statuses) if state == "finished"]
+    assert [e["job_id"] for e in rq_stack.ledger()] == [runner.id]
+    assert runner.return_value()["version"] == 3
+    for job in jobs:
+        if job is not runner:
+            assert (meta(job)["outcome"], meta(job)["rerun"]) == ("coalesced", runner.id)
+
+
 def test_requeued_duplicates_all_run_after_the_holder(rq_stack):
     # The holder runs until every duplicate found it holding: however slowly the workers
     # pick the duplicates up, each one meets it.

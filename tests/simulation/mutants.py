@@ -334,6 +334,28 @@ MUTANTS = [
         faults=3,
     ),
     Mutant(
+        "debounce-runs-its-own-arguments",
+        "the call that takes a burst runs with its own message's arguments, not the burst's",
+        "engine/attempt.py",
+        "        return dataclasses.replace(granted, arguments=turn.arguments)",
+        "        return granted",
+    ),
+    Mutant(
+        "older-change-replaces-a-bursts-newer",
+        "a call joining its burst late replaces the burst's newer change with its own",
+        "core/debounce.py",
+        'marks.changed_at(burst["arguments"]) > marks.changed_at(arguments)',
+        "False",
+    ),
+    Mutant(
+        "burst-taken-before-the-key",
+        "a call takes its due burst before it holds the key: a process that dies in between "
+        "leaves the burst taken by a run that never starts",
+        "core/debounce.py",
+        'return Turn(wait=wait) if wait > 0 else Turn(arguments=burst["arguments"])',
+        "return Turn(wait=wait) if wait > 0 else take(backend, key, task_id)",
+    ),
+    Mutant(
         "beat-admits-every-tick",
         "the leader sends what its scheduler says is due, whatever the record shows",
         "beat/scheduler.py",

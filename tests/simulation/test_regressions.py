@@ -105,6 +105,20 @@ FOUND = [
         "meeting its run as it ended was lost",
     ),
     (
+        "older-change-replaces-a-bursts-newer",
+        29,
+        5,
+        "a debounced call whose first try failed joins its burst late without replacing "
+        "the newer change the burst holds (changes ordered by when they were sent)",
+    ),
+    (
+        "burst-taken-before-the-key",
+        62,
+        5,
+        "a call takes its due burst only once it holds the key: one killed before could "
+        "leave the burst taken by a run that never starts",
+    ),
+    (
         "retried-call-skips-itself",
         897,
         3,

@@ -55,8 +55,10 @@ TASK = "sim.work"
 #: the task's ``apply_async`` under ``scope="enqueue"``/``"both"`` (beside calls sent by
 #: name, which bypass it) and bodies that call ``retry()`` (a stream of their own too);
 #: 4: also a uniqueness window after each run (``unique_for``) on keys of one holder,
-#: and a rate (``rate``: N runs per period, N the limit).
-FAULTS = 4
+#: and a rate (``rate``: N runs per period, N the limit); 5: also a debounce
+#: (``debounce``, with or without ``debounce_max_wait``) where the scope is ``run``
+#: and the policy no ``rerun`` (refused with a debounce).
+FAULTS = 5
 #: The store calls after which a step kill may land.
 STEPS = (
     "try_acquire",
@@ -131,6 +133,9 @@ class Config:
     unique_for: float = 0.0
     #: ``rate``: the limit's runs per this many seconds (0: no rate).
     rate_period: float = 0.0
+    #: ``debounce`` and ``debounce_max_wait`` (0: none).
+    debounce: float = 0.0
+    debounce_max_wait: float = 0.0
 
     def settings(self) -> Settings:
         return Settings(
@@ -150,6 +155,8 @@ class Config:
             scope=self.scope,  # type: ignore[arg-type]
             unique_for=self.unique_for,
             rate=f"{self.limit}/{self.rate_period}s" if self.rate_period else None,
+            debounce=self.debounce,
+            debounce_max_wait=self.debounce_max_wait,
         )
 
 
@@ -228,6 +235,11 @@ def _with_later_draws(config: Config, seed: int, faults: int) -> Config:
     if faults >= 4:
         chance = random.Random(seed * 7919 + 29)
         config = dataclasses.replace(config, rate_period=chance.choice([0.0, 0.0, 1.0, 3.0]))
+    if faults >= 5 and config.scope == "run" and config.on_duplicate != "rerun":
+        chance = random.Random(seed * 7919 + 31)
+        debounce = chance.choice([0.0, 0.0, 1.0, 3.0])
+        max_wait = chance.choice([0.0, 2.0]) if debounce else 0.0
+        config = dataclasses.replace(config, debounce=debounce, debounce_max_wait=max_wait)
     return config
 
 
@@ -252,6 +264,8 @@ class Message:
     by_name: bool = False
     #: The step of its body at which each run of it calls ``retry()``, if any.
     retry_at: Optional[int] = None
+    #: The DEBOUNCED_HEADER: it joined its key's burst.
+    debounced: bool = False
 
 
 @dataclass
@@ -587,6 +601,7 @@ class World(Traced):
             resumed=message.resumed,
             set_aside=message.set_aside,
             as_of=message.as_of,
+            debounced=message.debounced,
         )
         handler = SimOutcomes(self, message)
         keeps_mark = False
@@ -1029,6 +1044,48 @@ class World(Traced):
                         f"under rerun, no run of {key!r} started after v{version} arrived "
                         f"at {arrived:.3f} and saw it"
                     )
+        if self.config.debounce and not unordered:
+            self._check_debounced()
+
+    def _check_debounced(self) -> None:
+        """Under a debounce nothing is lost: every call's change is seen by a run of its
+        key that started after the call arrived (the run of its burst, with its latest
+        arguments, or a later one), unless a call it counted on failed with a named
+        error, or a run went unlocked, said."""
+        for task_id, (arrived, key, version) in self.arrived.items():
+            if self._failed_on_the_way(task_id, arrived) or self._run_by_failed(task_id):
+                continue
+            if any(
+                (f"on {key!r}" in line and "running WITHOUT a lease" in line)
+                or "gives up after" in line
+                for line in self.warnings
+            ):
+                continue
+            seen = [
+                b
+                for b in self.bodies
+                if b.key == key and b.started >= arrived and b.version >= version
+            ]
+            if not seen:
+                raise Violation(
+                    f"under debounce, no run of {key!r} started after v{version} "
+                    f"({task_id}) arrived at {arrived:.3f} and saw it"
+                )
+
+    def _run_by_failed(self, task_id: str) -> bool:
+        """Whether the call ``task_id`` is covered by the run of a call that took its
+        burst holding the key (granted after ``task_id`` arrived) and then ended in a
+        named error: that run died as any run does."""
+        arrived = self.arrived[task_id][0]
+        for _, kind, run_by in self.ends.get(task_id, []):
+            if kind != "coalesced" or not run_by:
+                continue
+            failed = any(
+                k in ("lost", "failed", "gave up") for _, k, _ in self.ends.get(run_by, [])
+            )
+            if failed and any(t >= arrived for t in self.store.grants_of.get(run_by, ())):
+                return True
+        return False
 
     def _gave_up_unsaid(self, task_id: str) -> bool:
         """Whether the call ``task_id`` reached no end its host saw (its process died
@@ -1201,6 +1258,8 @@ class SimOutcomes(outcomes.OutcomeHandler):
         again.requeues = outcome.requeues
         if outcome.cause == "lost":
             again.resumed = True
+        if outcome.cause == "debounce":
+            again.debounced = True
         if outcome.args is not None:
             again.arguments = (outcome.args, outcome.kwargs or {})
         if outcome.as_of is not None:  # over the header it came with, as send_again does

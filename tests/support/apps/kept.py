@@ -1,5 +1,6 @@
-"""Tasks whose lease is kept after their run: a window (``exclusive_unique_for``) and a
-rate (``exclusive_rate``), each run noted in the ledger as the ledger's tasks do.
+"""Tasks timed by the store: a window after their run (``exclusive_unique_for``), a
+rate (``exclusive_rate``) and a debounce (``exclusive_debounce``), each run noted in the
+ledger as the ledger's tasks do.
 
 An app of their own, configured as the ledger's from the same ``EXCLUSIVE_TEST_*``
 variables: a worker refuses to start with such a task on a store without the
@@ -28,6 +29,15 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     result_extended=True,
 )
+if os.environ.get("EXCLUSIVE_TEST_VISIBILITY_TIMEOUT"):
+    # A whole worker SIGKILLed leaves the messages it reserved (a countdown's) to be
+    # restored this long after, by a sweep run every second (see tests/chaos/chaos_app.py).
+    app.conf.broker_transport_options = {
+        "visibility_timeout": float(os.environ["EXCLUSIVE_TEST_VISIBILITY_TIMEOUT"]),
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+        "unacked_mutex_expire": 5,
+    }
 
 
 #: The uniqueness window of the windowed tasks below (seconds after a run ends).
@@ -97,3 +107,27 @@ def windowed_retry_going_on(self, key: str) -> dict:
     if self.request.retries == 0:
         self.retry(countdown=0, throw=False, max_retries=1)
     return run(self, key, 0)
+
+
+#: The debounce period of the debounced tasks below, and the bounded one's max wait.
+DEBOUNCE, DEBOUNCE_MAX_WAIT = 1.0, 2.0
+
+
+def _debounced_task(name: str, **options):
+    @app.task(
+        name=f"kept.debounced_{name}",
+        base=ExclusiveTask,
+        bind=True,
+        exclusive_key="{key}",
+        exclusive_debounce=DEBOUNCE,
+        **options,
+    )
+    def debounced(self, key: str, version: int, duration: float = 0.0) -> dict:
+        """A ledger run; it returns the version of the change it ran with."""
+        return {**run(self, key, duration), "version": version}
+
+    return debounced
+
+
+debounced = _debounced_task("plain")
+debounced_bounded = _debounced_task("bounded", exclusive_debounce_max_wait=DEBOUNCE_MAX_WAIT)

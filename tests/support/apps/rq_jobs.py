@@ -131,6 +131,16 @@ def rated_requeue(key: str, duration: float = 0.0) -> dict:
     return run(key, duration)
 
 
+#: The debounce period of ``debounced``: RQ's scheduler counts whole seconds.
+DEBOUNCE = 1.0
+
+
+@exclusive(key="{key}", debounce=DEBOUNCE)
+def debounced(key: str, version: int, duration: float = 0.0) -> dict:
+    """A burst of these runs once, with the latest version, once the calls stop."""
+    return {**run(key, duration), "version": version}
+
+
 @exclusive(key="{key}", on_duplicate="rerun")
 def webhook(key: str, version: int, duration: float = 0.0) -> dict:
     """ "Something changed, go look": every change seen, never two syncs at once."""
