@@ -167,7 +167,9 @@ def redis_cluster_url(redis_cluster):
 #: Contract-suite stores by name; each value builds a BackendCase from the test's fixtures.
 BACKEND_CASES = {
     "memory": lambda request: BackendCase(request.getfixturevalue("memory_url")),
-    "sqlite": lambda request: BackendCase(request.getfixturevalue("sqlite_url")),
+    # A renewal commits to a file (a write lock, a sync): on a loaded disk one may take
+    # longer than a 0.5 s lease's renew interval and margin together.
+    "sqlite": lambda request: BackendCase(request.getfixturevalue("sqlite_url"), short_ttl=1.0),
     "redis": lambda request: BackendCase(request.getfixturevalue("redis_url")),
     # etcd leases last whole seconds, one at least.
     "etcd": lambda request: BackendCase(request.getfixturevalue("etcd_url"), short_ttl=1.0),
