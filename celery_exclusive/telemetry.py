@@ -213,7 +213,7 @@ def outcome_name(outcome: Any) -> str:
 #: (never one that may hold the key: a holder in words, an error's message).
 _OUTCOME_FIELDS = {
     "skipped": ("holder_task_id",),
-    "coalesced": ("rerun_task_id",),
+    "coalesced": ("rerun_task_id", "debounced"),
     "requeue": ("cause", "countdown", "requeues", "holder_task_id"),
     "gave_up": ("cause", "requeues", "holder_task_id"),
     "waited": ("wait_timeout", "holder_task_id"),

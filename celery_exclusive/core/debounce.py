@@ -56,26 +56,37 @@ class Turn:
 
 def join(
     backend: Backend, key: str, task_id: str, arguments: str, period: float, max_wait: float
-) -> float:
+) -> Turn:
     """Make ``task_id`` (with its ``arguments``, JSON) the latest call of ``key``'s
-    burst, opening one if none gathers calls; return the seconds until the burst is due:
-    ``period`` from now, or sooner where its first call came ``max_wait`` ago (0: no
-    bound)."""
+    burst, opening one if none gathers calls; its turn is then to ``wait`` until the
+    burst is due: ``period`` from now, or sooner where the burst's first call came
+    ``max_wait`` ago (0: no bound). Or, joining no burst: ``covered_by`` the call that
+    took one with a newer change (this one is older, come late), or ``taken`` by this
+    very call (this is a copy of its message, delivered again)."""
     now = backend.store_time()
-
-    def latest(current: Optional[str]) -> str:
+    for _ in range(marks.ATTEMPTS):
+        current = backend.read_mark(key, DEBOUNCE)
         burst = _burst(current)
-        opens = burst is None or bool(burst.get("taken_by"))
-        first = now if opens else float(burst["first"])
+        taken_by = burst.get("taken_by") if burst is not None else None
+        if taken_by == task_id:
+            return Turn(arguments=burst["arguments"], taken=True)  # type: ignore[index]
+        newer = burst is not None and (
+            marks.changed_at(burst["arguments"]) > marks.changed_at(arguments)
+        )
+        if taken_by and newer:
+            return Turn(covered_by=str(taken_by))
+        opens = burst is None or bool(taken_by)
+        first = now if opens else float(burst["first"])  # type: ignore[index]
         due = now + period if not max_wait else min(now + period, first + max_wait)
-        if not opens and marks.changed_at(burst["arguments"]) > marks.changed_at(arguments):
+        if newer:
             # An older change come late (its first try failed, the queue reordered it):
             # the call moves the burst on, the burst keeps the newer change.
-            return json.dumps({**burst, "due": due})
-        return json.dumps({"latest": task_id, "arguments": arguments, "first": first, "due": due})
-
-    due = float(json.loads(marks._swap(backend, key, DEBOUNCE, latest, TTL))["due"])
-    return max(0.0, due - now)
+            joined = {**burst, "due": due}  # type: ignore[dict-item]
+        else:
+            joined = {"latest": task_id, "arguments": arguments, "first": first, "due": due}
+        if backend.swap_mark(key, DEBOUNCE, current, json.dumps(joined), TTL):
+            return Turn(wait=max(0.0, due - now))
+    raise _contended(backend, key)
 
 
 def turn(backend: Backend, key: str, task_id: str) -> Turn:
@@ -110,11 +121,21 @@ def take(backend: Backend, key: str, task_id: str) -> Turn:
         if taken_by:
             return Turn(covered_by=str(taken_by))
         taken = json.dumps({**burst, "taken_by": task_id})
-        if backend.swap_mark(key, DEBOUNCE, current, taken, TTL):
+        try:
+            swapped = backend.swap_mark(key, DEBOUNCE, current, taken, TTL)
+        except BackendUnavailable as exc:
+            # It may have been taken: the burst's change goes on with this call (run
+            # unlocked with it, or sent again with it), never lost with the answer.
+            raise marks.LostTake(exc, burst["arguments"]) from None
+        if swapped:
             return Turn(arguments=burst["arguments"], taken=True)
-    raise BackendUnavailable(
+    raise _contended(backend, key)
+
+
+def _contended(backend: Backend, key: str) -> BackendUnavailable:
+    return BackendUnavailable(
         f"the {DEBOUNCE} mark of {key!r} in {backend.safe_url} kept changing under "
-        f"{marks.ATTEMPTS} attempts to take it; the store is overloaded.",
+        f"{marks.ATTEMPTS} attempts to update it; the store is overloaded.",
         backend.safe_url,
     )
 
@@ -126,4 +147,5 @@ def _burst(current: Optional[str]) -> Optional[dict]:
         burst = json.loads(current)
     except ValueError:
         return None
-    return burst if isinstance(burst, dict) and "due" in burst else None
+    fields = ("latest", "arguments", "first", "due")
+    return burst if isinstance(burst, dict) and all(f in burst for f in fields) else None

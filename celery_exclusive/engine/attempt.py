@@ -316,6 +316,10 @@ class Attempt:
                 burst = self._debounce()
                 if not isinstance(burst, debounce.Turn):
                     return burst
+                if not burst.taken and settings.on_duplicate == "wait":
+                    # Its burst may be taken by the holder it meets: it comes back to
+                    # see, rather than wait out that run in line.
+                    settings = dataclasses.replace(settings, on_duplicate="requeue")
             arguments = None
             if rerun:
                 if self.as_of is None:
@@ -348,6 +352,11 @@ class Attempt:
                 if isinstance(taken, outcomes.Coalesced):
                     return taken
                 claimed = taken
+            elif burst is not None and not burst.taken:
+                # Refused: the holder may be the call that took its burst meanwhile.
+                again = debounce.turn(call.backend, call.key, call.task_id or "")
+                if again.covered_by is not None:
+                    return self._covered(again.covered_by)
             if isinstance(claimed, Granted):
                 if claimed.finished_read:
                     # What the end of the attempt swaps the finished mark from.
@@ -377,17 +386,27 @@ class Attempt:
         """Under ``debounce``: a call arriving makes its arguments its key's burst's and
         goes back to the queue until the burst is due; one coming back waits on if a
         later call moved the burst on, ends covered by the run of the call that took
-        it, or takes it (the :class:`~.debounce.Turn` it gets: run with its arguments)."""
+        it, or goes on to take the key, then the burst (the :class:`~.debounce.Turn`
+        it gets)."""
         call, settings = self.call, self.call.settings
         task_id = call.task_id or ""
-        if not call.debounced:
+        if self.host.redelivery:
+            # A copy of a delivery that ran (or was covered) is dropped, as the claim
+            # drops one: its burst may have been taken since by another call.
+            finished = marks.finished_mark(call.backend, call.key, task_id)
+            if marks.ended(finished, call.retries, call.resumed):
+                return outcomes.Dropped(call.key)
+        if call.debounced:
+            turn = debounce.turn(call.backend, call.key, task_id)
+            reason = f"a later call moved its burst on: due in {turn.wait:.3g}s"
+        else:
             if self.as_of is None:
                 # Its first attempt: the change it carries reaches the library now.
                 self.as_of = call.backend.store_time()
             arguments = encode_call(
                 call.name, call.args, call.kwargs, self.as_of, kept_by="debounce"
             )
-            due = debounce.join(
+            turn = debounce.join(
                 call.backend,
                 call.key,
                 task_id,
@@ -395,22 +414,17 @@ class Attempt:
                 settings.debounce,
                 settings.debounce_max_wait,
             )
-            reason = f"its burst is due in {due:.3g}s unless a later call of its key comes"
-            return outcomes.Requeue(
-                call.key, due, reason, "debounce", call.requeues, as_of=self.as_of
-            )
-        if self.host.redelivery:
-            # A copy of a delivery that came back and ran (or was covered) is dropped, as
-            # the claim drops one: its burst may have been taken since by another call.
-            finished = marks.finished_mark(call.backend, call.key, task_id)
-            if marks.ended(finished, call.retries, call.resumed):
-                return outcomes.Dropped(call.key)
-        turn = debounce.turn(call.backend, call.key, task_id)
-        if turn.wait:
-            reason = f"a later call moved its burst on: due in {turn.wait:.3g}s"
-            return outcomes.Requeue(call.key, turn.wait, reason, "debounce", call.requeues)
+            reason = f"its burst is due in {turn.wait:.3g}s unless a later call of its key comes"
+            if not (turn.taken or turn.covered_by):
+                return outcomes.Requeue(
+                    call.key, turn.wait, reason, "debounce", call.requeues, as_of=self.as_of
+                )
         if turn.covered_by is not None:
             return self._covered(turn.covered_by)
+        if turn.wait > 0:
+            return outcomes.Requeue(
+                call.key, turn.wait, reason, "debounce", call.requeues, as_of=self.as_of
+            )
         return turn
 
     def _take_burst(
@@ -432,6 +446,7 @@ class Attempt:
     def _covered(self, run_by: str) -> outcomes.Coalesced:
         self._drop_resume()
         self._record_end_without_body()
+        self._leave_line()
         return outcomes.Coalesced(self.call.key, run_by, debounced=True)
 
     def _requeue(self, requeue: outcomes.Requeue) -> Union[outcomes.Requeue, outcomes.GaveUp]:

@@ -693,3 +693,57 @@ def test_the_run_a_burst_left_is_requeued_not_skipped_when_it_meets_a_holder(
 def test_a_debounced_call_without_a_queue_runs_at_once(memory_url):
     call = a_call(memory_url, debounce=5.0)
     assert attempt.run(call, DIRECT, lambda a, k: "ran") == outcomes.Ran("ran")
+
+
+def test_an_older_change_joining_after_a_newer_one_was_taken_is_covered_by_that_run(
+    memory_url, monkeypatch
+):
+    key = f"exclusive:{uuid.uuid4().hex[:8]}"
+    older = a_burst_call(memory_url, key, "older")
+    older.as_of = 100.0  # sent first; its first try failed, so it joins late
+    newer = a_burst_call(memory_url, key, "newer")
+    newer.as_of = 200.0
+    attempt.run(newer, WORKER, pytest.fail)
+    clock = newer.backend.store_time
+    monkeypatch.setattr(newer.backend, "store_time", lambda: clock() + 5.0)
+    newer.debounced = True
+    assert attempt.run(newer, WORKER, lambda a, k: "ran") == outcomes.Ran("ran")
+    outcome = attempt.run(older, WORKER, pytest.fail)
+    assert outcome == outcomes.Coalesced(key, "newer", debounced=True)
+
+
+def test_a_copy_of_a_call_that_ran_its_burst_is_dropped_not_joined_again(memory_url, monkeypatch):
+    key = f"exclusive:{uuid.uuid4().hex[:8]}"
+    call = a_burst_call(memory_url, key, "only")
+    attempt.run(call, ACKS_LATE, pytest.fail)
+    clock = call.backend.store_time
+    monkeypatch.setattr(call.backend, "store_time", lambda: clock() + 5.0)
+    call.debounced = True
+    assert attempt.run(call, ACKS_LATE, lambda a, k: "ran") == outcomes.Ran("ran")
+    call.debounced = False  # its first message, delivered again
+    assert isinstance(attempt.run(call, ACKS_LATE, pytest.fail), outcomes.Dropped)
+
+
+def test_a_take_whose_answer_is_lost_runs_unlocked_with_the_bursts_change(memory_url, monkeypatch):
+    key = f"exclusive:{uuid.uuid4().hex[:8]}"
+    first = a_burst_call(memory_url, key, "first", on_backend_error="run")
+    first.args = (1,)
+    last = a_burst_call(memory_url, key, "last", on_backend_error="run")
+    last.args = (2,)
+    for call in (first, last):
+        attempt.run(call, WORKER, pytest.fail)
+    clock = first.backend.store_time
+    monkeypatch.setattr(first.backend, "store_time", lambda: clock() + 5.0)
+    swap = first.backend.swap_mark
+
+    def lost_after_applying(key, kind, expected, new, ttl):
+        swap(key, kind, expected, new, ttl)
+        if kind == "debounce":
+            raise BackendUnavailable("the answer was lost", memory_url)
+        return True
+
+    monkeypatch.setattr(first.backend, "swap_mark", lost_after_applying)
+    first.debounced = True
+    ran = []
+    attempt.run(first, WORKER, lambda a, k: ran.append(a))
+    assert ran == [(2,)]

@@ -1050,8 +1050,8 @@ class World(Traced):
     def _check_debounced(self) -> None:
         """Under a debounce nothing is lost: every call's change is seen by a run of its
         key that started after the call arrived (the run of its burst, with its latest
-        arguments, or a later one), unless a call it counted on failed with a named
-        error, or a run went unlocked, said."""
+        arguments, or a later one), or superseded by a run of a newer change, unless a
+        call it counted on failed with a named error, or a run went unlocked, said."""
         for task_id, (arrived, key, version) in self.arrived.items():
             if self._failed_on_the_way(task_id, arrived) or self._run_by_failed(task_id):
                 continue
@@ -1061,10 +1061,13 @@ class World(Traced):
                 for line in self.warnings
             ):
                 continue
+            # A newer change is sent later: a run that saw one supersedes this change,
+            # even one taken before this call came (late: its first try failed).
             seen = [
                 b
                 for b in self.bodies
-                if b.key == key and b.started >= arrived and b.version >= version
+                if b.key == key
+                and (b.version > version or (b.version == version and b.started >= arrived))
             ]
             if not seen:
                 raise Violation(
