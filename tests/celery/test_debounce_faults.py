@@ -1,5 +1,6 @@
-"""A debounce survives the death of the worker holding its burst's messages: the run
-still happens, once, with the latest arguments.
+"""A debounce under real faults: the worker holding its burst's messages SIGKILLed, the
+lease store stopped mid-burst. Nothing is lost: the latest change runs, and every
+other call names a run that covers it.
 
 A module of its own: the workers of tests/celery/test_debounce.py's stack would take
 this broker's messages while it runs.
@@ -17,6 +18,7 @@ from tests.celery.test_debounce import SLACK, burst, ran_by, runs_of
 from tests.support.apps import kept
 from tests.support.apps.kept import DEBOUNCE
 from tests.support.cluster import Stack, wait_until
+from tests.support.servers import RedisServer
 
 
 def test_a_burst_whose_worker_is_killed_before_its_run_still_runs_once(
@@ -48,3 +50,35 @@ def test_a_burst_whose_worker_is_killed_before_its_run_still_runs_once(
     finally:
         holding.stop(signal.SIGKILL, group=True)
         taking_over.stop(signal.SIGKILL, group=True)
+
+
+def test_a_burst_across_a_store_outage_loses_no_change(redis_server, client_dbs, tmp_path_factory):
+    store_server = RedisServer()
+    store_server.start()
+    stack = Stack(redis_server, *client_dbs, store_server.url, tmp_path_factory)
+    stack.configure_client(kept.app)
+    worker = stack.worker("deb-outage", app="tests.support.apps.kept", concurrency=2)
+    try:
+        worker.start()
+        calls, _ = burst(kept.debounced, "ledger-sync", range(1, 3))
+        store_server.stop()
+        calls += burst(kept.debounced, "ledger-sync", range(3, 5))[0]
+        worker.wait_for_log("requeued (exclusive_on_backend_error='requeue')", timeout=15)
+        time.sleep(DEBOUNCE)  # the burst falls due while the store is away
+        store_server.start()
+        ended = {}
+        for call in calls:
+            try:
+                ended[call.id] = call.get(timeout=60)
+            except DuplicateCoalesced as coalesced:
+                ended[call.id] = coalesced.holder_task_id
+        runs = runs_of(stack, "ledger-sync")
+        ran = {run["task_id"] for run in runs}
+        assert ran and all(ended[run_id]["version"] for run_id in ran)
+        # The latest change ran last; every other call ran or names a run.
+        last = max(runs, key=lambda run: run["start"])["task_id"]
+        assert ended[last]["version"] == 4
+        assert all(call.id in ran or ended[call.id] in ran for call in calls)
+    finally:
+        worker.stop(signal.SIGKILL, group=True)
+        store_server.cleanup()
