@@ -104,3 +104,18 @@ def test_calls_that_never_stop_run_at_least_once_every_max_wait(cluster):
         assert ran[coalesced.value.holder_task_id]["start"] > at
     last = max(runs, key=lambda run: run["start"])
     assert calls[[c.id for c in calls].index(last["task_id"])].get()["version"] == 20
+
+
+def test_calls_sent_with_a_countdown_make_one_burst_when_they_come(cluster):
+    calls, sent = [], []
+    for version in range(1, 4):
+        sent.append(time.time())
+        calls.append(kept.debounced.apply_async(("delayed", version), countdown=1))
+        time.sleep(SPACING)
+    assert wait_until(lambda: runs_of(cluster, "delayed"), timeout=30)
+    time.sleep(DEBOUNCE + SLACK)
+    [runner] = ran_by(calls, cluster, "delayed")
+    ran = runner.get(timeout=30)
+    assert ran["version"] == 3
+    # Due a period after the last call came: its countdown, then the debounce.
+    assert ran["start"] >= sent[-1] + 1 + DEBOUNCE

@@ -281,6 +281,23 @@ def test_a_debounced_burst_runs_once_with_its_last_version_and_cancels_the_rest(
             assert (meta(job)["outcome"], meta(job)["rerun"]) == ("coalesced", runner.id)
 
 
+def test_debounced_jobs_scheduled_for_later_make_one_burst_when_they_come(rq_stack):
+    from datetime import timedelta
+
+    jobs = [
+        rq_stack.queue.enqueue_in(timedelta(seconds=1), rq_jobs.debounced, "rq-later", version)
+        for version in range(1, 4)
+    ]
+    statuses = wait_done(jobs, timeout=30)
+    assert sorted(statuses) == ["canceled", "canceled", "finished"], statuses
+    [runner] = [job for job, state in zip(jobs, statuses) if state == "finished"]
+    assert [e["job_id"] for e in rq_stack.ledger()] == [runner.id]
+    # Due together, the two workers take them at once: the latest is the last stamped,
+    # as each job first reached a worker.
+    latest = max(jobs, key=lambda job: meta(job)["as_of"])
+    assert runner.return_value()["version"] == latest.args[1]
+
+
 def test_requeued_duplicates_all_run_after_the_holder(rq_stack):
     # The holder runs until every duplicate found it holding: however slowly the workers
     # pick the duplicates up, each one meets it.
