@@ -249,6 +249,7 @@ MUTANTS = [
         "core/policies.py",
         "    if task_id and (requeues or retries or resumed) and task_id in holding:",
         "    if task_id and requeues and task_id in holding:",
+        faults=4,
     ),
     Mutant(
         "library-sends-refused-at-enqueue",
