@@ -146,6 +146,10 @@ LOSS_ADVICE = {
         "again. That holder's fencing token is higher, so storage that checks tokens refuses "
         "this one's writes; keep the store's clock steady and its data persistent."
     ),
+    "replaced": (
+        "A newer call of the key replaced this run (exclusive_on_duplicate='replace'): "
+        "it was meant to stop, and no setting needs changing."
+    ),
     "released": (
         "An operator freed the key (celery exclusive release): this run was meant to stop, "
         "and no setting needs changing."
@@ -185,6 +189,12 @@ class DuplicateCoalesced(DuplicateSkipped):
     It did not run and is not lost: the pending rerun, task ``holder_task_id``, runs
     once after the current holder, with the latest duplicate's arguments; or, debounced,
     the call ``holder_task_id`` took the burst and runs it, with its latest arguments.
+    """
+
+
+class DuplicateReplaced(DuplicateSkipped):
+    """The result of a run stopped because a newer call of its key replaced it
+    (``exclusive_on_duplicate="replace"``): the call ``holder_task_id`` runs instead.
     """
 
 

@@ -214,6 +214,7 @@ def outcome_name(outcome: Any) -> str:
 _OUTCOME_FIELDS = {
     "skipped": ("holder_task_id",),
     "coalesced": ("rerun_task_id", "debounced"),
+    "replaced": ("by",),
     "requeue": ("cause", "countdown", "requeues", "holder_task_id"),
     "gave_up": ("cause", "requeues", "holder_task_id"),
     "waited": ("wait_timeout", "holder_task_id"),

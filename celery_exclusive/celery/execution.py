@@ -35,7 +35,7 @@ from celery.worker.request import Request as CeleryRequest
 
 from ..core import config, holders, outcomes
 from ..engine import attempt, enqueue
-from ..errors import BackendUnavailable, DuplicateCoalesced, DuplicateSkipped
+from ..errors import BackendUnavailable, DuplicateCoalesced, DuplicateReplaced, DuplicateSkipped
 from . import results
 
 logger = logging.getLogger("celery_exclusive")
@@ -315,6 +315,20 @@ class CeleryOutcomes(outcomes.OutcomeHandler):
         if outcome.debounced:
             result["debounced"] = True
         return _duplicate_ends(self.task, DuplicateCoalesced(said, key, rerun), result)
+
+    def handle_replaced(self, outcome: outcomes.Replaced) -> Any:
+        key, task_id, by = outcome.key, self.request.id, outcome.by
+        logger.info("run replaced key=%s task_id=%s by=%s", key, task_id, by)
+        return _duplicate_ends(
+            self.task,
+            DuplicateReplaced(
+                f"{self.task.name}[{task_id}] was stopped: a newer call of {key!r}, task "
+                f"{by}, replaced it and runs instead.",
+                key,
+                by,
+            ),
+            {"outcome": "replaced", "key": key, "by": by},
+        )
 
     def handle_requeue(self, outcome: outcomes.Requeue) -> NoReturn:
         """Send this call again after the countdown, then end this attempt."""

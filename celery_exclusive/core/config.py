@@ -48,7 +48,7 @@ REDIS_SCHEMES = ("redis", "rediss")
 
 #: The values of the settings that take one of a few words, as types (for type checkers,
 #: the RQ decorator's signature and ExclusiveTask's attributes) and as tuples (checked here).
-OnDuplicate = Literal["skip", "requeue", "wait", "rerun"]
+OnDuplicate = Literal["skip", "requeue", "wait", "rerun", "replace"]
 OnBackendError = Literal["requeue", "run"]
 OnLeaseLost = Literal["terminate", "abort", "log"]
 RerunArgs = Literal["latest", "first"]
@@ -92,7 +92,8 @@ class Settings:
     limit: int = 1
     #: What a call whose key is held gets: "skip" (it ends at once without running),
     #: "requeue" (it is sent again after a backoff), "wait" (it waits in the key's line,
-    #: then runs) or "rerun" (the duplicates of one run become one follow-up run).
+    #: then runs), "rerun" (the duplicates of one run become one follow-up run) or
+    #: "replace" (it stops the running holder and runs instead).
     on_duplicate: OnDuplicate = "skip"
     #: Seconds a call waits in the key's line for its turn ("wait", a pending rerun, a
     #: priority caller) before it is requeued; outside a worker, before it raises
@@ -431,6 +432,8 @@ def _check(owner: str, settings: Settings, describe: Callable[[str, Any], str]) 
             settings.debounce_max_wait,
             "it bounds a debounce: give the task a debounce period too",
         )
+    if settings.on_duplicate == "replace":
+        _check_replace(settings, numbers, bad)
     if numbers["debounce"] and settings.on_duplicate == "rerun":
         raise bad(
             "on_duplicate",
@@ -478,3 +481,19 @@ def _check(owner: str, settings: Settings, describe: Callable[[str, Any], str]) 
             "use a URL whose scheme is one of " + ", ".join(s + "://" for s in sorted(SCHEMES)),
         )
     return dataclasses.replace(settings, **numbers)
+
+
+def _check_replace(settings: Settings, numbers: dict[str, Any], bad: Callable) -> None:
+    """``replace`` stops the holder through the loss of its lease: only a holder that a
+    loss stops (``terminate``), of a key held by one (a lock), whose lease goes when its
+    run ends (no window, no rate), and which nothing else reorders (no priority)."""
+    why = "a replaced run is stopped as a lost lease stops it"
+    if settings.on_lease_lost != "terminate":
+        raise bad("on_lease_lost", settings.on_lease_lost, f"use 'terminate' with replace: {why}")
+    if settings.limit != 1 or settings.rate is not None:
+        raise bad("limit", settings.limit, "replace stops the one holder of a key: leave it 1")
+    if numbers["unique_for"] or numbers["debounce"] or settings.priority:
+        name = next(n for n in ("unique_for", "debounce", "priority") if getattr(settings, n))
+        raise bad(
+            name, getattr(settings, name), "replace runs the newest call at once: leave it out"
+        )

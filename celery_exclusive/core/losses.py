@@ -4,6 +4,8 @@ the advice it gives (:data:`celery_exclusive.errors.LOSS_ADVICE`).
 The store only says a lease is gone; what happened is read back once, when its holder
 finds out (at a renewal or at its release), in this order:
 
+- ``replaced``: a newer call replaced it (``on_duplicate="replace"`` leaves a replaced
+  mark naming its fencing token);
 - ``released``: an operator freed it (``celery exclusive release`` leaves a released
   mark listing the fencing tokens it freed);
 - ``expired``: by the holder's own monotonic clock, the lease's deadline passed (see
@@ -31,6 +33,8 @@ if TYPE_CHECKING:
 def cause_of(lease: WatchedLease) -> str:
     """Read back why the store no longer has ``lease``."""
     try:
+        if marks.replaced_by(lease.backend, lease.key, lease.fencing_token):
+            return "replaced"
         if marks.released_by_operator(lease.backend, lease.key, lease.fencing_token):
             return "released"
         if runtime.monotonic() >= lease.deadline:

@@ -24,6 +24,9 @@ read-then-swap loop on it, so a store needs nothing more to support them.
   of a task id that ended (its ``retries`` count), so that a copy of its message
   delivered again later (a broker's redelivery under ``acks_late``) does not run the
   body a second time.
+- A **replaced mark** (kind ``replaced``) names the grant of a key that a newer call
+  replaced (``on_duplicate="replace"``), that call, and whether the replaced run said it
+  stopped: its holder learns the cause of its loss from it, its successor waits for it.
 - A **resume mark** (kind ``resume``, one per task id and key, beside its finished mark)
   keeps the arguments a call whose message may come again (Celery's ``acks_late``, or
   ``retry_on_worker_lost``) runs with as the pending rerun of its key, until its
@@ -43,6 +46,9 @@ from ..errors import BackendUnavailable
 
 #: Kinds of the marks kept here (the line's is ``backends.line.LINE``).
 RERUN, QUEUED, DONE, RELEASED, RESUME = "rerun", "queued", "done", "released", "resume"
+#: The kind of a **replaced mark**: which grant of a key a newer call replaced, by whom,
+#: and whether that run said it stopped.
+REPLACED = "replaced"
 
 #: How long an operator's release is remembered (a **released mark**: the fencing
 #: tokens ``celery exclusive release`` freed), so that a holder finding its lease gone
@@ -459,3 +465,60 @@ def released_by_operator(backend: Backend, key: str, token: int) -> bool:
     if not backend.capabilities.marks:
         return False
     return token in json.loads(backend.read_mark(key, RELEASED) or "[]")
+
+
+def mark_replaced(backend: Backend, key: str, token: int, by: str, stops_within: float) -> None:
+    """Say that the call ``by`` replaces the grant of ``key`` with fencing token
+    ``token`` (before it frees that grant), whose run stops within ``stops_within``
+    seconds at the latest (its lease's ttl and grace). Runs replaced before and not
+    over yet stay listed: each is waited for, and each learns why it stopped."""
+    now = backend.store_time()
+    entry = {"token": token, "by": by, "stopped": False, "until": now + stops_within}
+
+    def listed(current: Optional[str]) -> str:
+        kept = [e for e in _replaced(current) if e["until"] > now and e["token"] != token]
+        return json.dumps([*kept, entry])
+
+    _swap(backend, key, REPLACED, listed, 2 * stops_within + 60)
+
+
+def replaced_by(backend: Backend, key: str, token: int) -> Optional[str]:
+    """The call that replaced the grant of ``key`` with fencing token ``token``, if one did."""
+    for entry in _replaced(backend.read_mark(key, REPLACED)):
+        if entry["token"] == token:
+            return str(entry["by"])
+    return None
+
+
+def note_stopped(backend: Backend, key: str, token: int) -> None:
+    """Say that the replaced run of ``key``'s grant ``token`` stopped: its successor runs."""
+
+    def stopped(current: Optional[str]) -> Optional[str]:
+        entries = _replaced(current)
+        if not any(e["token"] == token for e in entries):
+            return current
+        return json.dumps([{**e, "stopped": e["stopped"] or e["token"] == token} for e in entries])
+
+    current = backend.read_mark(key, REPLACED)
+    ttl = max((e["until"] for e in _replaced(current)), default=0.0) - backend.store_time()
+    _swap(backend, key, REPLACED, stopped, max(ttl, 0.0) + 60)
+
+
+def replaced_run_left(backend: Backend, key: str) -> float:
+    """Seconds a run of ``key`` that a newer call replaced may still run: 0 once each
+    said it stopped, or once its lease's ttl and grace have passed (its own deadline has
+    stopped it by then), or where none was replaced."""
+    now = backend.store_time()
+    entries = _replaced(backend.read_mark(key, REPLACED))
+    return max((e["until"] - now for e in entries if not e["stopped"]), default=0.0)
+
+
+def _replaced(current: Optional[str]) -> list[dict]:
+    try:
+        entries = json.loads(current) if current else []
+    except ValueError:
+        return []
+    fields = {"token", "by", "stopped", "until"}
+    if not isinstance(entries, list):
+        return []
+    return [e for e in entries if isinstance(e, dict) and fields <= e.keys()]

@@ -50,6 +50,9 @@ class OutcomeHandler(abc.ABC):
     def handle_coalesced(self, outcome: Coalesced) -> Any: ...
 
     @abc.abstractmethod
+    def handle_replaced(self, outcome: Replaced) -> Any: ...
+
+    @abc.abstractmethod
     def handle_requeue(self, outcome: Requeue) -> Any: ...
 
     @abc.abstractmethod
@@ -126,6 +129,18 @@ class Coalesced:
 
     def carry_out(self, host: OutcomeHandler) -> Any:
         return host.handle_coalesced(self)
+
+
+@dataclass(frozen=True)
+class Replaced:
+    """A run stopped because the newer call ``by`` replaced it (``on_duplicate=
+    "replace"``), which runs instead: the call ends here, never sent again."""
+
+    key: str
+    by: str
+
+    def carry_out(self, host: OutcomeHandler) -> Any:
+        return host.handle_replaced(self)
 
 
 @dataclass(frozen=True)
@@ -254,5 +269,15 @@ class Redelivered:
 
 
 Outcome = Union[
-    Ran, Skipped, Coalesced, Requeue, GaveUp, Waited, Unanswered, SetAside, Dropped, Redelivered
+    Ran,
+    Skipped,
+    Coalesced,
+    Replaced,
+    Requeue,
+    GaveUp,
+    Waited,
+    Unanswered,
+    SetAside,
+    Dropped,
+    Redelivered,
 ]

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Union
 
 from .. import runtime, signals, telemetry
-from ..backends import Backend, MarkRead
+from ..backends import Backend, Lease, MarkRead
 from ..errors import BackendUnavailable, ConfigurationError
 from . import feed, holders, marks
 from .config import Settings
@@ -147,12 +147,56 @@ def rerun(duplicate: Duplicate) -> Claimed:
     return requeued
 
 
+def replace_running(duplicate: Duplicate) -> Claimed:
+    """``replace``: stop the running holder and run instead.
+
+    The holder's grant is freed, after a replaced mark naming it and this call: its
+    holder finds it gone at its next renewal, learns why, and stops as a lost lease
+    stops it (its ``LeaseLost``, its grace, the kill after it), ending replaced. This
+    call takes the key (its fencing token higher, so the replaced run's late writes are
+    refused) and runs once that run said it stopped, or once its lease's ttl and grace
+    have passed, by when its own deadline has stopped it. A holder that is no task (a
+    lock, a foreign client), or this call itself, is not replaced: the call comes back.
+    """
+    d = duplicate
+    grants = [info for info in d.backend.holders_of(d.key) if info.task_id == d.holder]
+    if not d.task_id or not grants or d.holder == d.task_id:
+        return d.requeued()
+    replaced, settings = grants[0], d.settings
+    token = replaced.fencing_token or 0
+    stops_within = settings.lease_ttl + settings.terminate_grace
+    marks.mark_replaced(d.backend, d.key, token, d.task_id, stops_within)
+    d.backend.release(Lease(d.key, replaced.owner, token, 0.0, 1))
+    lease = _try(settings, d.backend, d.key, d.name, d.task_id, d.task_id)
+    if lease is None:
+        return d.requeued()  # another call took the key first: it meets that one next
+    with lease.released_on_error():
+        after_the_replaced_run(d.backend, d.key)
+    return d.granted(lease)
+
+
+def after_the_replaced_run(backend: Backend, key: str) -> None:
+    """Holding ``key`` under ``replace``: wait until the run a newer call replaced has
+    stopped, if one may still run (whoever holds the key now: the replacing call, or
+    any call granted it since, as when the replacing call had to go back to the queue).
+    """
+    left = marks.replaced_run_left(backend, key)
+    until = runtime.monotonic() + left
+    while left > 0 and runtime.monotonic() < until:
+        runtime.sleep(REPLACE_POLL)
+        left = marks.replaced_run_left(backend, key)
+
+
+#: Seconds between two looks of a replacing call at whether the run it replaced stopped.
+REPLACE_POLL = 0.05
+
 #: The duplicate strategies by ``on_duplicate`` name (see ``config.OnDuplicate``).
 STRATEGIES: dict[str, Strategy] = {
     "skip": skip,
     "requeue": requeue,
     "wait": wait,
     "rerun": rerun,
+    "replace": replace_running,
 }
 
 
@@ -204,6 +248,9 @@ def claim(
         else:
             lease = _try(settings, backend, key, name, task_id, task_id)
         if lease is not None:
+            if settings.on_duplicate == "replace":
+                with lease.released_on_error():
+                    after_the_replaced_run(backend, key)
             return _granted(
                 settings,
                 backend,

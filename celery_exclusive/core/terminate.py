@@ -141,8 +141,10 @@ class _Stopper:
                 self.lease.key,
                 self.pid,
             )
-            # The parent that sees the process die sends the call again.
-            kill_notes.note_kill(self.lease.task_id, self.arguments)
+            # The parent that sees the process die sends the call again; not one that
+            # a newer call replaced (it runs instead).
+            if self.lease.lost_cause != "replaced":
+                kill_notes.note_kill(self.lease.task_id, self.arguments)
             for handler in logging.getLogger().handlers + logger.handlers:
                 with contextlib.suppress(Exception):
                     handler.flush()

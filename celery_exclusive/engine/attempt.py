@@ -277,12 +277,33 @@ class Attempt:
                 holding.close(exc)  # what an exit cut short by an interrupt left undone
                 raise
         except LeaseLost as exc:
+            if granted.lease.lost_cause == "replaced":
+                return self._replaced(granted.lease)
             if self.stopped_by_loss and self.host.redelivered_when_stopped:
                 return outcomes.Redelivered(granted.lease.key, exc)
             if self.stopped_by_loss and self._requeues_lost():
                 return self._requeue_lost(granted.lease, granted.arguments)
             raise
         return outcomes.Ran(result, written=self.result_written)
+
+    def _replaced(self, lease: HeldLease) -> outcomes.Replaced:
+        """The run was replaced by a newer call (``on_duplicate="replace"``): it says it
+        stopped, so that its successor runs now, and the call ends replaced, never sent
+        again (a copy of its message delivered later is dropped)."""
+        call, token = self.call, lease.fencing_token
+        by = "an unknown call"
+        try:
+            by = marks.replaced_by(call.backend, call.key, token) or by
+            marks.note_stopped(call.backend, call.key, token)
+        except ExclusiveError as exc:
+            logger.warning(
+                "%s could not say that its replaced run stopped (%s): its successor runs "
+                "once the lease's ttl and grace have passed",
+                self._label(),
+                exc,
+            )
+        self._record_end_without_body()
+        return outcomes.Replaced(call.key, by)
 
     # --- before the body -----------------------------------------------------------------
 

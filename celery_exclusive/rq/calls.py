@@ -50,7 +50,7 @@ from ..core.lease import HeldLease, UnlockedLease
 from ..core.lock import ExclusiveLock
 from ..core.policies import Granted
 from ..engine import attempt
-from ..errors import ConfigurationError, DuplicateCoalesced, DuplicateSkipped
+from ..errors import ConfigurationError, DuplicateCoalesced, DuplicateReplaced, DuplicateSkipped
 from . import checks
 from . import options as rq_options
 
@@ -292,6 +292,14 @@ class _DirectCall(outcomes.OutcomeHandler):
             f"{outcome.rerun_task_id}, which runs once after the current holder.",
             self.key,
             outcome.rerun_task_id,
+        )
+
+    def handle_replaced(self, outcome: outcomes.Replaced) -> NoReturn:
+        raise DuplicateReplaced(
+            f"{self.call} was stopped: a newer call of {self.key!r}, job {outcome.by}, "
+            "replaced it and runs instead.",
+            self.key,
+            outcome.by,
         )
 
     def handle_requeue(self, outcome: outcomes.Requeue) -> NoReturn:

@@ -475,6 +475,11 @@ class JobOutcomes(outcomes.OutcomeHandler):
             logger.info("duplicate coalesced key=%s job_id=%s rerun=%s", key, self.job.id, rerun)
         return self.job._end_unrun("coalesced", key, rerun=rerun)
 
+    def handle_replaced(self, outcome: outcomes.Replaced) -> Any:
+        key, by = outcome.key, outcome.by
+        logger.info("run replaced key=%s job_id=%s by=%s", key, self.job.id, by)
+        return self.job._end_unrun("replaced", key, by=by)
+
     def handle_requeue(self, outcome: outcomes.Requeue) -> Any:
         return self.job._requeue(self.settings, outcome)
 

@@ -157,3 +157,19 @@ def test_a_debounce_under_enqueue_scope_is_refused_naming_both():
 def test_a_debounce_under_rerun_is_refused_naming_both():
     with pytest.raises(ConfigurationError, match="exclusive_on_duplicate='rerun'.*debounce=5"):
         resolve("search.reindex", {"debounce": 5, "on_duplicate": "rerun"}.get, lambda n: None)
+
+
+@pytest.mark.parametrize(
+    ("given", "named"),
+    [
+        ({"on_lease_lost": "log"}, "exclusive_on_lease_lost='log'"),
+        ({"limit": 2}, "exclusive_limit=2"),
+        ({"unique_for": 60}, "exclusive_unique_for=60"),
+        ({"debounce": 5}, "exclusive_debounce=5"),
+        ({"priority": True}, "exclusive_priority=True"),
+    ],
+)
+def test_replace_with_an_option_that_keeps_the_newest_call_from_running_is_refused(given, named):
+    options = {"on_duplicate": "replace", **given}
+    with pytest.raises(ConfigurationError, match=named.replace("(", r"\(")):
+        resolve("search.preview", options.get, lambda name: None)

@@ -747,3 +747,54 @@ def test_a_take_whose_answer_is_lost_runs_unlocked_with_the_bursts_change(memory
     ran = []
     attempt.run(first, WORKER, lambda a, k: ran.append(a))
     assert ran == [(2,)]
+
+
+# --- replace ---------------------------------------------------------------------------------
+
+
+def test_a_newer_call_under_replace_stops_the_running_one_and_runs_after_it(memory_url):
+    import threading
+    import time
+
+    settings = Settings(
+        backend_url=memory_url, lease_ttl=1.0, terminate_grace=0.5, on_duplicate="replace"
+    )
+    key = f"exclusive:{uuid.uuid4().hex[:8]}"
+
+    def call_of(task_id: str) -> attempt.Call:
+        return attempt.Call("t", task_id, key, settings, backend_for_url(memory_url))
+
+    seen: dict = {}
+
+    def running(args, kwargs):
+        seen["old token"] = attempt.current_lease().fencing_token
+        while True:  # until its loss stops it
+            attempt.current_lease().ensure_held()
+            time.sleep(0.02)
+
+    def stopped_by_the_newer_call():
+        seen["old"] = attempt.run(call_of("old"), WORKER, running)
+        seen["old ended"] = time.monotonic()
+
+    old = threading.Thread(target=stopped_by_the_newer_call)
+    old.start()
+    assert wait_for(lambda: "old token" in seen)
+
+    def runs_instead(args, kwargs):
+        seen["new started"] = time.monotonic()
+        return attempt.current_lease().fencing_token
+
+    new = attempt.run(call_of("new"), WORKER, runs_instead)
+    old.join(5)
+    assert seen["old"] == outcomes.Replaced(key, "new")
+    assert isinstance(new, outcomes.Ran) and new.result > seen["old token"]
+    assert seen["new started"] >= seen["old ended"] - 0.01
+
+
+def wait_for(predicate, timeout: float = 5.0) -> bool:
+    import time
+
+    until = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < until:
+        time.sleep(0.01)
+    return predicate()

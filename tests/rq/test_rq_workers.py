@@ -298,6 +298,18 @@ def test_debounced_jobs_scheduled_for_later_make_one_burst_when_they_come(rq_sta
     assert runner.return_value()["version"] == latest.args[1]
 
 
+def test_a_newer_job_under_replace_stops_the_running_one_and_runs(rq_stack):
+    running = rq_stack.enqueue(rq_jobs.replacing, "rq-replace", 60)
+    assert wait_until(lambda: rq_stack.holders("rq-replace"), timeout=15)
+    [held] = rq_stack.holders("rq-replace")
+    newer = rq_stack.enqueue(rq_jobs.replacing, "rq-replace", 0)
+    statuses = wait_done([running, newer], timeout=30)
+    assert statuses == ["canceled", "finished"], newer.latest_result().exc_string
+    assert (meta(running)["outcome"], meta(running)["by"]) == ("replaced", newer.id)
+    assert [e["job_id"] for e in rq_stack.ledger()] == [newer.id]
+    assert newer.return_value()["token"] > held.fencing_token
+
+
 def test_requeued_duplicates_all_run_after_the_holder(rq_stack):
     # The holder runs until every duplicate found it holding: however slowly the workers
     # pick the duplicates up, each one meets it.

@@ -357,6 +357,20 @@ MUTANTS = [
         "return Turn(wait=wait) if wait > 0 else take(backend, key, task_id)",
     ),
     Mutant(
+        "replacing-call-runs-at-once",
+        "a call that replaced the running one runs as it takes the key, before that one stopped",
+        "core/policies.py",
+        "    left = marks.replaced_run_left(backend, key)\n    until",
+        "    left = 0.0\n    until",
+    ),
+    Mutant(
+        "replaced-run-sent-again",
+        "a run a newer call replaced is sent again as a run that lost its lease, not ended",
+        "engine/attempt.py",
+        '            if granted.lease.lost_cause == "replaced":',
+        "            if False:",
+    ),
+    Mutant(
         "beat-admits-every-tick",
         "the leader sends what its scheduler says is due, whatever the record shows",
         "beat/scheduler.py",

@@ -119,6 +119,13 @@ FOUND = [
         "leave the burst taken by a run that never starts",
     ),
     (
+        "replacing-call-runs-at-once",
+        203,
+        6,
+        "a call granted a key whose run a newer call replaced waits for that run to stop, "
+        "whoever it is: the replacing call, sent back to the queue, came back to a free key",
+    ),
+    (
         "retried-call-skips-itself",
         897,
         3,

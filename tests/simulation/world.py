@@ -57,8 +57,9 @@ TASK = "sim.work"
 #: 4: also a uniqueness window after each run (``unique_for``) on keys of one holder,
 #: and a rate (``rate``: N runs per period, N the limit); 5: also a debounce
 #: (``debounce``, with or without ``debounce_max_wait``) where the scope is ``run``
-#: and the policy no ``rerun`` (refused with a debounce).
-FAULTS = 5
+#: and the policy no ``rerun`` (refused with a debounce); 6: also ``replace`` (a newer
+#: call stops the running one) where the options allow it.
+FAULTS = 6
 #: The store calls after which a step kill may land.
 STEPS = (
     "try_acquire",
@@ -70,7 +71,7 @@ STEPS = (
     "swap_mark:rerun",
     "swap_mark:line",
 )
-TERMINAL = frozenset({"ran", "skipped", "coalesced", "gave up", "failed"})
+TERMINAL = frozenset({"ran", "skipped", "coalesced", "replaced", "gave up", "failed"})
 
 
 @dataclass
@@ -240,6 +241,15 @@ def _with_later_draws(config: Config, seed: int, faults: int) -> Config:
         debounce = chance.choice([0.0, 0.0, 1.0, 3.0])
         max_wait = chance.choice([0.0, 2.0]) if debounce else 0.0
         config = dataclasses.replace(config, debounce=debounce, debounce_max_wait=max_wait)
+    replaceable = (
+        config.limit == 1
+        and config.on_lease_lost == "terminate"
+        and not (config.priority or config.unique_for or config.rate_period or config.debounce)
+    )
+    if faults >= 6 and replaceable:
+        chance = random.Random(seed * 7919 + 37)
+        if chance.random() < 0.3:
+            config = dataclasses.replace(config, on_duplicate="replace")
     return config
 
 
@@ -644,6 +654,7 @@ class World(Traced):
         )
         self._check_window(body)
         self._check_rate(body)
+        self._check_replaced(body)
         self.bodies.append(body)
         self.note(
             f"body {task_id} v{version} starts, token {getattr(lease, 'fencing_token', None)}"
@@ -688,6 +699,30 @@ class World(Traced):
                     f"{before.ended:.3f}"
                 )
             return
+
+    def _check_replaced(self, body: Body) -> None:
+        """Under ``replace``, a body starts only once every run its key's newer calls
+        replaced has stopped (unless that run's process is paused, which nothing stops:
+        it finds its deadline passed as it resumes)."""
+        if self.config.on_duplicate != "replace" or not isinstance(body.lease, HeldLease):
+            return  # a run without a lease (the store down, "run") was said to be one
+        for other in self.bodies:
+            lease = other.lease
+            if (
+                other.key != body.key
+                or other.ended is not None
+                or not other.process.alive
+                or other.process.paused
+                or not isinstance(lease, HeldLease)
+            ):
+                continue
+            by = marks.replaced_by(self.store.memory, other.key, lease.fencing_token)
+            if by is not None:
+                raise Violation(
+                    f"body {body.task_id} starts on {body.key!r} at {body.started:.3f} while "
+                    f"{other.task_id} (token {lease.fencing_token}), which {by} replaced, "
+                    "still runs"
+                )
 
     def _kept(self, body: Body) -> bool:
         """Whether the lease of ``body``'s run was kept past its end: as the store said,
@@ -922,6 +957,8 @@ class World(Traced):
         grant or renewal the store confirmed, the store's expiry from when it applied.)"""
         if lease.deadline <= now:
             return  # past: the keeper flags it at this instant
+        if marks.replaced_by(self.store.memory, body.key, lease.fencing_token):
+            return  # freed by a newer call, which runs once this one stopped (checked)
         grant = self.store.memory._store.grants.get(body.key, {}).get(lease.grant.owner)
         kept_until = grant.expires_at if grant is not None else float("-inf")
         if lease.deadline > kept_until + 1e-9:
@@ -1243,6 +1280,10 @@ class SimOutcomes(outcomes.OutcomeHandler):
                 "free between its refused grant and the read of its holders"
             )
         self._done("skipped", outcome.holder_task_id)
+
+    def handle_replaced(self, outcome: outcomes.Replaced) -> Any:
+        self._not_itself(outcome.by)
+        self._done("replaced", outcome.by)
 
     def handle_coalesced(self, outcome: outcomes.Coalesced) -> Any:
         self._not_itself(outcome.rerun_task_id)

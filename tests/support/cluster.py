@@ -73,7 +73,7 @@ class Stack:
                 worker.stop()
 
     def reset(self) -> None:
-        self.ledger.delete("ledger", "entered", "signals", "versions")
+        self.ledger.delete("ledger", "entered", "signals", "versions", "stops")
         for told in self.ledger.scan_iter("release:*"):
             self.ledger.delete(told)
 

@@ -1,6 +1,7 @@
 """Tasks timed by the store: a window after their run (``exclusive_unique_for``), a
-rate (``exclusive_rate``) and a debounce (``exclusive_debounce``), each run noted in the
-ledger as the ledger's tasks do.
+rate (``exclusive_rate``) and a debounce (``exclusive_debounce``); and a task whose
+newer call replaces the running one (``exclusive_on_duplicate="replace"``). Each run is
+noted in the ledger as the ledger's tasks do.
 
 An app of their own, configured as the ledger's from the same ``EXCLUSIVE_TEST_*``
 variables: a worker refuses to start with such a task on a store without the
@@ -9,12 +10,14 @@ variables: a worker refuses to start with such a task on a store without the
 
 from __future__ import annotations
 
+import json
 import os
+import time
 
 from celery import Celery
 
 from celery_exclusive import ExclusiveTask
-from tests.support.apps.ledger import run
+from tests.support.apps.ledger import ledger, run
 
 app = Celery("kept")
 app.conf.update(
@@ -131,3 +134,25 @@ def _debounced_task(name: str, **options):
 
 debounced = _debounced_task("plain")
 debounced_bounded = _debounced_task("bounded", exclusive_debounce_max_wait=DEBOUNCE_MAX_WAIT)
+
+
+@app.task(
+    name="kept.replacing",
+    base=ExclusiveTask,
+    bind=True,
+    exclusive_key="{key}",
+    exclusive_on_duplicate="replace",
+    exclusive_terminate_grace=2.0,
+)
+def replacing(self, key: str, duration: float) -> dict:
+    """A ledger run; when and how it stopped noted in the ledger's "stops" list, even
+    when a newer call stopped it."""
+    started, how = time.time(), "returned"
+    try:
+        return run(self, key, duration)
+    except BaseException as exc:
+        how = type(exc).__name__
+        raise
+    finally:
+        stop = {"task_id": self.request.id, "start": started, "end": time.time(), "how": how}
+        ledger().rpush("stops", json.dumps(stop))

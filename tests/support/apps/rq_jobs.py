@@ -131,6 +131,12 @@ def rated_requeue(key: str, duration: float = 0.0) -> dict:
     return run(key, duration)
 
 
+@exclusive(key="{key}", on_duplicate="replace", terminate_grace=2.0)
+def replacing(key: str, duration: float) -> dict:
+    """A newer job of its key stops this one and runs instead."""
+    return run(key, duration)
+
+
 #: The debounce period of ``debounced``: RQ's scheduler counts whole seconds.
 DEBOUNCE = 1.0
 
