@@ -490,8 +490,12 @@ def _check_replace(settings: Settings, numbers: dict[str, Any], bad: Callable) -
     why = "a replaced run is stopped as a lost lease stops it"
     if settings.on_lease_lost != "terminate":
         raise bad("on_lease_lost", settings.on_lease_lost, f"use 'terminate' with replace: {why}")
-    if settings.limit != 1 or settings.rate is not None:
+    if settings.rate is not None:
+        raise bad("rate", settings.rate, "replace runs the newest call at once: leave it out")
+    if settings.limit != 1:
         raise bad("limit", settings.limit, "replace stops the one holder of a key: leave it 1")
+    if settings.scope != "run":
+        raise bad("scope", settings.scope, "a newer call must be sent to replace: leave it 'run'")
     if numbers["unique_for"] or numbers["debounce"] or settings.priority:
         name = next(n for n in ("unique_for", "debounce", "priority") if getattr(settings, n))
         raise bad(

@@ -467,19 +467,37 @@ def released_by_operator(backend: Backend, key: str, token: int) -> bool:
     return token in json.loads(backend.read_mark(key, RELEASED) or "[]")
 
 
-def mark_replaced(backend: Backend, key: str, token: int, by: str, stops_within: float) -> None:
+#: How long a replaced call is remembered after its run's bound: a copy of its message,
+#: or a retry of it, that comes meanwhile ends replaced instead of replacing its successor.
+REPLACED_MEMORY = 3600.0
+
+
+def mark_replaced(
+    backend: Backend, key: str, token: int, task_id: str, by: str, stops_within: float
+) -> None:
     """Say that the call ``by`` replaces the grant of ``key`` with fencing token
-    ``token`` (before it frees that grant), whose run stops within ``stops_within``
-    seconds at the latest (its lease's ttl and grace). Runs replaced before and not
-    over yet stay listed: each is waited for, and each learns why it stopped."""
+    ``token``, of the call ``task_id`` (before it frees that grant), whose run stops
+    within ``stops_within`` seconds at the latest (its lease's ttl and grace). Runs
+    replaced before stay listed: each is waited for, and each learns why it stopped."""
     now = backend.store_time()
-    entry = {"token": token, "by": by, "stopped": False, "until": now + stops_within}
+    entry = {
+        "token": token,
+        "task_id": task_id,
+        "by": by,
+        "stopped": False,
+        "until": now + stops_within,
+        "within": stops_within,
+    }
 
     def listed(current: Optional[str]) -> str:
-        kept = [e for e in _replaced(current) if e["until"] > now and e["token"] != token]
+        kept = [
+            e
+            for e in _replaced(current)
+            if e["until"] + REPLACED_MEMORY > now and e["token"] != token
+        ]
         return json.dumps([*kept, entry])
 
-    _swap(backend, key, REPLACED, listed, 2 * stops_within + 60)
+    _swap(backend, key, REPLACED, listed, stops_within + REPLACED_MEMORY)
 
 
 def replaced_by(backend: Backend, key: str, token: int) -> Optional[str]:
@@ -490,8 +508,17 @@ def replaced_by(backend: Backend, key: str, token: int) -> Optional[str]:
     return None
 
 
+def call_replaced_by(backend: Backend, key: str, task_id: str) -> Optional[str]:
+    """The call that replaced a run of the call ``task_id`` on ``key``, if one did."""
+    for entry in _replaced(backend.read_mark(key, REPLACED)):
+        if entry.get("task_id") == task_id:
+            return str(entry["by"])
+    return None
+
+
 def note_stopped(backend: Backend, key: str, token: int) -> None:
-    """Say that the replaced run of ``key``'s grant ``token`` stopped: its successor runs."""
+    """Say that the replaced run of ``key``'s grant ``token`` stopped (or was over
+    already): its successor runs."""
 
     def stopped(current: Optional[str]) -> Optional[str]:
         entries = _replaced(current)
@@ -501,16 +528,21 @@ def note_stopped(backend: Backend, key: str, token: int) -> None:
 
     current = backend.read_mark(key, REPLACED)
     ttl = max((e["until"] for e in _replaced(current)), default=0.0) - backend.store_time()
-    _swap(backend, key, REPLACED, stopped, max(ttl, 0.0) + 60)
+    _swap(backend, key, REPLACED, stopped, max(ttl, 0.0) + REPLACED_MEMORY)
 
 
-def replaced_run_left(backend: Backend, key: str) -> float:
-    """Seconds a run of ``key`` that a newer call replaced may still run: 0 once each
-    said it stopped, or once its lease's ttl and grace have passed (its own deadline has
-    stopped it by then), or where none was replaced."""
+def replaced_run_left(backend: Backend, key: str, own_token: int) -> float:
+    """Seconds a run of ``key`` that a newer call replaced may still run (not the grant
+    ``own_token``, the caller's): 0 once each said it stopped, or once its lease's ttl
+    and grace have passed (its own deadline has stopped it by then), or where none was
+    replaced. Never more than the longest such bound, whatever the store's clock did."""
     now = backend.store_time()
-    entries = _replaced(backend.read_mark(key, REPLACED))
-    return max((e["until"] - now for e in entries if not e["stopped"]), default=0.0)
+    entries = [
+        e
+        for e in _replaced(backend.read_mark(key, REPLACED))
+        if not e["stopped"] and e["token"] != own_token
+    ]
+    return max((min(e["until"] - now, e["within"]) for e in entries), default=0.0)
 
 
 def _replaced(current: Optional[str]) -> list[dict]:
@@ -518,7 +550,7 @@ def _replaced(current: Optional[str]) -> list[dict]:
         entries = json.loads(current) if current else []
     except ValueError:
         return []
-    fields = {"token", "by", "stopped", "until"}
+    fields = {"token", "by", "stopped", "until", "within"}
     if not isinstance(entries, list):
         return []
     return [e for e in entries if isinstance(e, dict) and fields <= e.keys()]

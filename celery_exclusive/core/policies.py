@@ -150,41 +150,55 @@ def rerun(duplicate: Duplicate) -> Claimed:
 def replace_running(duplicate: Duplicate) -> Claimed:
     """``replace``: stop the running holder and run instead.
 
-    The holder's grant is freed, after a replaced mark naming it and this call: its
-    holder finds it gone at its next renewal, learns why, and stops as a lost lease
-    stops it (its ``LeaseLost``, its grace, the kill after it), ending replaced. This
-    call takes the key (its fencing token higher, so the replaced run's late writes are
-    refused) and runs once that run said it stopped, or once its lease's ttl and grace
-    have passed, by when its own deadline has stopped it. A holder that is no task (a
-    lock, a foreign client), or this call itself, is not replaced: the call comes back.
+    The holder's grant is freed, after a replaced mark naming it, its call and this
+    call: its holder finds it gone at its next renewal, learns why, and stops as a lost
+    lease stops it (its ``LeaseLost``, its grace, the kill after it), ending replaced;
+    its call, should it come again, ends replaced too. This call takes the key (its
+    fencing token higher, so the replaced run's late writes are refused) and runs once
+    that run said it stopped, or once its lease's ttl and grace have passed, by when its
+    own deadline has stopped it. A holder that is no task (a lock, a foreign client), or
+    this call itself, is not replaced: the call comes back.
     """
     d = duplicate
     grants = [info for info in d.backend.holders_of(d.key) if info.task_id == d.holder]
-    if not d.task_id or not grants or d.holder == d.task_id:
+    if not d.task_id or not d.holder or not grants or d.holder == d.task_id:
         return d.requeued()
     replaced, settings = grants[0], d.settings
     token = replaced.fencing_token or 0
-    stops_within = settings.lease_ttl + settings.terminate_grace
-    marks.mark_replaced(d.backend, d.key, token, d.task_id, stops_within)
-    d.backend.release(Lease(d.key, replaced.owner, token, 0.0, 1))
+    ttl = replaced.holder.get("ttl")
+    ttl = ttl if isinstance(ttl, (int, float)) and ttl > 0 else settings.lease_ttl
+    stops_within = max(ttl, settings.lease_ttl) + settings.terminate_grace
+    marks.mark_replaced(d.backend, d.key, token, d.holder, d.task_id, stops_within)
+    if d.backend.release(Lease(d.key, replaced.owner, token, 0.0, 1)) is False:
+        marks.note_stopped(d.backend, d.key, token)  # it ended as it was replaced
     lease = _try(settings, d.backend, d.key, d.name, d.task_id, d.task_id)
     if lease is None:
         return d.requeued()  # another call took the key first: it meets that one next
-    with lease.released_on_error():
-        after_the_replaced_run(d.backend, d.key)
+    if not after_the_replaced_run(d.backend, lease):
+        return d.requeued()  # replaced in turn as it waited: it learns so as it comes back
     return d.granted(lease)
 
 
-def after_the_replaced_run(backend: Backend, key: str) -> None:
-    """Holding ``key`` under ``replace``: wait until the run a newer call replaced has
-    stopped, if one may still run (whoever holds the key now: the replacing call, or
-    any call granted it since, as when the replacing call had to go back to the queue).
-    """
-    left = marks.replaced_run_left(backend, key)
-    until = runtime.monotonic() + left
-    while left > 0 and runtime.monotonic() < until:
-        runtime.sleep(REPLACE_POLL)
-        left = marks.replaced_run_left(backend, key)
+def after_the_replaced_run(backend: Backend, lease: HeldLease) -> bool:
+    """Holding ``lease`` under ``replace``: wait until every run a newer call replaced on
+    its key has stopped, if one may still run (whoever holds the key now: the replacing
+    call, or any call granted it since, as when the replacing call had to go back to
+    the queue). False, the lease given back: it was lost meanwhile (a newer call
+    replaced this one as it waited), or the store did not answer, and the call goes
+    back to the queue rather than run beside a run that may go on."""
+    try:
+        left = marks.replaced_run_left(backend, lease.key, lease.fencing_token)
+        until = runtime.monotonic() + left
+        while left > 0 and runtime.monotonic() < until and lease.held:
+            runtime.sleep(REPLACE_POLL)
+            left = marks.replaced_run_left(backend, lease.key, lease.fencing_token)
+    except BackendUnavailable:
+        lease.release()
+        return False
+    if not lease.held:
+        lease.release()
+        return False
+    return True
 
 
 #: Seconds between two looks of a replacing call at whether the run it replaced stopped.
@@ -248,9 +262,8 @@ def claim(
         else:
             lease = _try(settings, backend, key, name, task_id, task_id)
         if lease is not None:
-            if settings.on_duplicate == "replace":
-                with lease.released_on_error():
-                    after_the_replaced_run(backend, key)
+            if settings.on_duplicate == "replace" and not after_the_replaced_run(backend, lease):
+                return _after_a_replaced_run(settings, key, requeues)
             return _granted(
                 settings,
                 backend,
@@ -326,6 +339,12 @@ def claim(
         return requeued
     _detected(name, key, task_id, settings.on_duplicate, holder)
     return find_strategy(settings.on_duplicate)(duplicate)
+
+
+def _after_a_replaced_run(settings: Settings, key: str, requeues: int) -> Requeue:
+    """A call granted a key whose replaced run may go on, that could not wait for it."""
+    reason = "waiting for a run a newer call replaced to stop"
+    return Requeue(key, requeue_delay(settings, requeues), reason, "held", requeues + 1)
 
 
 def _granted(

@@ -277,14 +277,40 @@ class Attempt:
                 holding.close(exc)  # what an exit cut short by an interrupt left undone
                 raise
         except LeaseLost as exc:
-            if granted.lease.lost_cause == "replaced":
-                return self._replaced(granted.lease)
+            replaced = self._if_replaced(granted.lease)
+            if replaced is not None:
+                return replaced
             if self.stopped_by_loss and self.host.redelivered_when_stopped:
                 return outcomes.Redelivered(granted.lease.key, exc)
             if self.stopped_by_loss and self._requeues_lost():
                 return self._requeue_lost(granted.lease, granted.arguments)
             raise
+        except Exception:
+            # A body that turned the loss into its own error (a write its storage refused
+            # for the stale fencing token): replaced all the same.
+            replaced = self._if_replaced(granted.lease)
+            if replaced is not None:
+                return replaced
+            raise
         return outcomes.Ran(result, written=self.result_written)
+
+    def _if_replaced(self, lease: AnyLease) -> Optional[outcomes.Replaced]:
+        """Under ``replace``, the end of a run whose lease a newer call took (as the
+        lease found it, or as the replaced mark says where it found another cause
+        first: its deadline passed as the store did not answer)."""
+        if (
+            self.call.settings.on_duplicate != "replace"
+            or not isinstance(lease, HeldLease)
+            or not lease.lost
+        ):
+            return None
+        if lease.lost_cause != "replaced":
+            try:
+                if marks.replaced_by(lease.backend, lease.key, lease.fencing_token) is None:
+                    return None
+            except ExclusiveError:
+                return None
+        return self._replaced(lease)
 
     def _replaced(self, lease: HeldLease) -> outcomes.Replaced:
         """The run was replaced by a newer call (``on_duplicate="replace"``): it says it
@@ -332,6 +358,13 @@ class Attempt:
         except LayoutMismatch as exc:
             return self._in_another_layout(exc)
         try:
+            if settings.on_duplicate == "replace" and call.task_id:
+                by = marks.call_replaced_by(call.backend, call.key, call.task_id)
+                if by is not None:
+                    # A copy or retry of a call a newer one replaced: it ends replaced,
+                    # and never replaces its successor in turn.
+                    self._record_end_without_body()
+                    return outcomes.Replaced(call.key, by)
             burst: Optional[debounce.Turn] = None
             if settings.debounce and call.task_id and host.can_requeue:
                 burst = self._debounce()

@@ -791,6 +791,17 @@ def test_a_newer_call_under_replace_stops_the_running_one_and_runs_after_it(memo
     assert seen["new started"] >= seen["old ended"] - 0.01
 
 
+def test_a_replaced_call_that_comes_again_ends_replaced_rather_than_replace_its_successor(
+    memory_url,
+):
+    settings = Settings(backend_url=memory_url, lease_ttl=5.0, on_duplicate="replace")
+    key = f"exclusive:{uuid.uuid4().hex[:8]}"
+    backend = backend_for_url(memory_url)
+    marks.mark_replaced(backend, key, 7, "old", "new", 10.0)
+    again = attempt.Call("t", "old", key, settings, backend)  # a copy, or its retry
+    assert attempt.run(again, WORKER, pytest.fail) == outcomes.Replaced(key, "new")
+
+
 def wait_for(predicate, timeout: float = 5.0) -> bool:
     import time
 

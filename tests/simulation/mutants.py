@@ -360,15 +360,16 @@ MUTANTS = [
         "replacing-call-runs-at-once",
         "a call that replaced the running one runs as it takes the key, before that one stopped",
         "core/policies.py",
-        "    left = marks.replaced_run_left(backend, key)\n    until",
-        "    left = 0.0\n    until",
+        "        left = marks.replaced_run_left(backend, lease.key, lease.fencing_token)\n"
+        "        until",
+        "        left = 0.0\n        until",
     ),
     Mutant(
         "replaced-run-sent-again",
         "a run a newer call replaced is sent again as a run that lost its lease, not ended",
         "engine/attempt.py",
-        '            if granted.lease.lost_cause == "replaced":',
-        "            if False:",
+        "        return self._replaced(lease)\n",
+        "        return None\n",
     ),
     Mutant(
         "beat-admits-every-tick",
