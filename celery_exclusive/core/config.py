@@ -483,7 +483,9 @@ def _check(owner: str, settings: Settings, describe: Callable[[str, Any], str]) 
     return dataclasses.replace(settings, **numbers)
 
 
-def _check_replace(settings: Settings, numbers: dict[str, Any], bad: Callable) -> None:
+def _check_replace(
+    settings: Settings, numbers: dict[str, Any], bad: Callable[..., ConfigurationError]
+) -> None:
     """``replace`` stops the holder through the loss of its lease: only a holder that a
     loss stops (``terminate``), of a key held by one (a lock), whose lease goes when its
     run ends (no window, no rate), and which nothing else reorders (no priority)."""

@@ -94,7 +94,7 @@ def test_a_loss_found_at_release_is_diagnosed_too(store, causes):
 
 
 def test_every_cause_has_its_advice():
-    assert set(LOSS_ADVICE) == {"expired", "taken", "released", "reset", "unknown"}
+    assert set(LOSS_ADVICE) == {"expired", "taken", "released", "replaced", "reset", "unknown"}
 
 
 def test_a_loss_another_thread_is_announcing_is_signalled_before_the_holder_raises(store):
