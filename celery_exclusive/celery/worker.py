@@ -291,7 +291,10 @@ class CheckExclusiveSettings(bootsteps.Step):
 def check_tasks_and_stores(app) -> None:
     """Resolve and check the settings and key of every ExclusiveTask of ``app``, then
     each lease store they use, once per store and key prefix."""
-    tasks = [task for task in app.tasks.values() if is_exclusive_task(task)]
+    # By name: a refusal names the same task whatever order the app registered them in.
+    tasks = sorted(
+        (task for task in app.tasks.values() if is_exclusive_task(task)), key=lambda t: t.name
+    )
     settings = [task.exclusive_settings for task in tasks]  # checks the key format too
     for task, one in zip(tasks, settings):
         needs = ["windows"] if one.keeps_lease else []
