@@ -95,12 +95,9 @@ def turn(backend: Backend, key: str, task_id: str) -> Turn:
     burst = _burst(backend.read_mark(key, DEBOUNCE))
     if burst is None:
         return Turn(taken=True)
-    taken_by = burst.get("taken_by")
-    if taken_by == task_id:
-        # It took the burst and was sent again since (it met a holder): it runs.
-        return Turn(arguments=burst["arguments"], taken=True)
-    if taken_by:
-        return Turn(covered_by=str(taken_by))
+    settled = _taken(burst, task_id)
+    if settled is not None:
+        return settled
     wait = float(burst["due"]) - backend.store_time()
     return Turn(wait=wait) if wait > 0 else Turn(arguments=burst["arguments"])
 
@@ -115,11 +112,9 @@ def take(backend: Backend, key: str, task_id: str) -> Turn:
         burst = _burst(current)
         if burst is None:
             return Turn(taken=True)
-        taken_by = burst.get("taken_by")
-        if taken_by == task_id:
-            return Turn(arguments=burst["arguments"], taken=True)
-        if taken_by:
-            return Turn(covered_by=str(taken_by))
+        settled = _taken(burst, task_id)
+        if settled is not None:
+            return settled
         taken = json.dumps({**burst, "taken_by": task_id})
         try:
             swapped = backend.swap_mark(key, DEBOUNCE, current, taken, TTL)
@@ -138,6 +133,18 @@ def _contended(backend: Backend, key: str) -> BackendUnavailable:
         f"{marks.ATTEMPTS} attempts to update it; the store is overloaded.",
         backend.safe_url,
     )
+
+
+def _taken(burst: dict, task_id: str) -> Optional[Turn]:
+    """The turn of ``task_id`` where its burst was taken: by it (sent again since, it
+    met a holder: it runs the burst), or by another call (it is covered). None: the
+    burst still waits to be taken."""
+    taken_by = burst.get("taken_by")
+    if taken_by == task_id:
+        return Turn(arguments=burst["arguments"], taken=True)
+    if taken_by:
+        return Turn(covered_by=str(taken_by))
+    return None
 
 
 def _burst(current: Optional[str]) -> Optional[dict]:
