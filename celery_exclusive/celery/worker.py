@@ -184,16 +184,21 @@ class ExclusiveRequest(Request):
         ).start()
 
     def _free_leases_left_by(self, pid: int) -> None:
-        """Release the leases this call holds from process ``pid``, which has exited.
-        Celery's report of the death, later, finds them gone."""
+        """Release the leases this call holds from process ``pid``, which has exited (or
+        keep them, for a rate's slot or a window: :func:`~.reaper.kept_after_death`).
+        Celery's report of the death, later, finds them gone, or kept, and keeps them
+        as its outcome says (a call that comes back has no window yet)."""
         task = self.task
+        settings = task.exclusive_settings
         try:
             key = task.exclusive_key_for(tuple(self.args or ()), dict(self.kwargs or {}))
-            backend, limit = task.exclusive_backend, task.exclusive_settings.limit
+            backend = task.exclusive_backend
         except (ExclusiveError, TypeError) as exc:  # TypeError: arguments that never bound
             logger.warning("could not free the lease of lost task %s: %s", self.id, exc)
             return
-        reaper.release_left_by(backend, key, self.id, limit, pid)
+        # Kept as for a call that does not come back; Celery's report says later whether
+        # it does, and then a window kept for it ends (_release_dead_holder).
+        reaper.release_left_by(backend, key, self.id, settings, pid, comes_back=False)
 
     def _release_dead_holder(self, acknowledged: bool, comes_back: Optional[bool] = None) -> None:
         """Free what the dead child held, and unless the call comes back, its place in
@@ -231,10 +236,12 @@ class ExclusiveRequest(Request):
             return
         if not comes_back:
             self._send_owed_rerun(task, key)
-        for lease, pid in held:
+        for left in held:
+            keep = reaper.kept_after_death(task.exclusive_settings, left, comes_back)
             threading.Thread(
                 target=reaper.release_when_gone,
-                args=(backend, lease, pid, self.id),
+                args=(backend, left, self.id),
+                kwargs={"keep": keep},
                 name="celery-exclusive-reaper",
                 daemon=True,
             ).start()

@@ -166,6 +166,20 @@ class Settings:
         slot): the store must then let a renewal give it another ttl (``windows``)."""
         return bool(self.unique_for) or self.rate is not None
 
+    def kept_after(self, failed: bool, since_grant: float, window: bool = True) -> float:
+        """Seconds a run's lease is kept once the run is over, ``since_grant`` seconds
+        after its grant (``failed``: it raised, or its process died): its uniqueness
+        window (after a success, or after every end; none where the call comes again,
+        ``window=False``: it is not over), and under a rate what is left of the period
+        since its grant (a start counts however its run ended). 0: freed at once."""
+        keep = 0.0
+        if window and self.unique_for and not (failed and self.unique_after == "success"):
+            keep = self.unique_for
+        if self.rate is not None:
+            _, period = parse_rate(self.rate) or (0, 0.0)
+            keep = max(keep, period - since_grant + RATE_MARGIN)
+        return keep
+
 
 #: Every setting's name: the one list that task attributes, app settings and the RQ
 #: decorator's arguments are checked against.
@@ -361,6 +375,10 @@ def resolve(
     values.setdefault("backend_url", default_backend_url(broker_url, app_name))
     return _check(owner, Settings(**values), describe)
 
+
+#: Seconds a rate's slot is kept beyond its period: a store counts a ttl in whole
+#: milliseconds by its clock, and may end it up to two of them early (Redis floors both).
+RATE_MARGIN = 0.002
 
 #: A rate: a count, "/", an optional number and a unit.
 _RATE = re.compile(r"\s*(\d+)\s*/\s*(\d+(?:\.\d*)?|\.\d+)?\s*([smh])\s*\Z")

@@ -7,17 +7,21 @@ runs out. The worker's main process sees the death and calls these: the store sa
 which leases the task or job id holds, and each is released owner-checked (with the
 owner token the store itself reports), only once the process named in its holder
 record is gone, and only for processes of this host, the only ones whose end can be
-seen from here.
+seen from here. A lease its run would have kept past its end (a rate's slot, a window
+after every end) is kept as that end would, not released: a run that died is a run
+that failed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from .. import runtime
 from ..backends import Backend, Lease
 from ..errors import ExclusiveError
+from .config import Settings
 from .lease import HOSTNAME
 
 logger = logging.getLogger("celery_exclusive")
@@ -27,44 +31,73 @@ logger = logging.getLogger("celery_exclusive")
 REAP_PATIENCE = 3.0
 
 
-def leases_on_this_host(
-    backend: Backend, key: str, task_id: str, limit: int
-) -> list[tuple[Lease, Optional[int]]]:
+class Left(NamedTuple):
+    """A lease a process of this host holds, as the store reports it."""
+
+    lease: Lease
+    #: The process holding it, as its holder record says.
+    pid: Optional[int]
+    #: Seconds since the store last extended it (its grant or a renewal), if it says.
+    extended_ago: Optional[float]
+
+
+def leases_on_this_host(backend: Backend, key: str, task_id: str, limit: int) -> list[Left]:
     """The leases the store says ``task_id`` holds on ``key`` from a process of this
-    host, each with that process's pid. Raises what the store raises (an
+    host. Raises what the store raises (an
     :class:`~celery_exclusive.errors.ExclusiveError`)."""
     found = []
     for info in backend.holders_of(key):
         if info.task_id != task_id or info.holder.get("hostname", HOSTNAME) != HOSTNAME:
             continue
         lease = Lease(key, info.owner, info.fencing_token or 0, 0.0, limit)
-        found.append((lease, info.holder.get("pid")))
+        found.append(Left(lease, info.holder.get("pid"), info.renewed_ago))
     return found
 
 
-def release_left_by(backend: Backend, key: str, task_id: str, limit: int, pid: int) -> None:
+def kept_after_death(settings: Settings, left: Left, comes_back: bool) -> float:
+    """Seconds the lease of a holder that died is kept rather than freed: a run that
+    died is a run that failed (:meth:`~.config.Settings.kept_after`), so under a rate
+    its slot stays to a period after its grant, and under ``unique_after="end"`` its
+    window follows, unless its call ``comes_back`` (its run is still to come).
+
+    The grant's time is not kept; its last extension came at or after it, so the time
+    since then counts as the time since the grant: the slot never ends before a period
+    after the grant, and ends at most a renewal interval later (a full period, where the
+    store cannot say)."""
+    if not settings.keeps_lease:
+        return 0.0
+    since_grant = max(0.0, left.extended_ago or 0.0)
+    return settings.kept_after(True, since_grant, window=not comes_back)
+
+
+def release_left_by(
+    backend: Backend, key: str, task_id: str, settings: Settings, pid: int, comes_back: bool
+) -> None:
     """Release what ``task_id`` holds on ``key`` from process ``pid`` of this host, which
-    has exited. A lease of another process is left alone, this task id's included (a
-    copy of the call that runs elsewhere)."""
+    has exited (or keep it: :func:`kept_after_death`). A lease of another process is
+    left alone, this task id's included (a copy of the call that runs elsewhere)."""
     try:
-        held = leases_on_this_host(backend, key, task_id, limit)
+        held = leases_on_this_host(backend, key, task_id, settings.limit)
     except ExclusiveError as exc:
         logger.warning("lease of lost task %s on %s left to expire: %s", task_id, key, exc)
         return
-    for lease, holder in held:
-        if holder == pid:
-            release_when_gone(backend, lease, pid, task_id)
+    for left in held:
+        if left.pid == pid:
+            keep = kept_after_death(settings, left, comes_back)
+            release_when_gone(backend, left, task_id, keep=keep)
 
 
 def release_when_gone(
     backend: Backend,
-    lease: Lease,
-    pid: Optional[int],
+    left: Left,
     task_id: str,
     patience: float = REAP_PATIENCE,
+    keep: float = 0.0,
 ) -> None:
-    """Release ``lease`` once process ``pid`` has ended; after ``patience`` seconds of
-    it still running, leave the lease to expire instead."""
+    """Release ``left``'s lease once its process has ended; after ``patience`` seconds
+    of it still running, leave the lease to expire instead. With ``keep`` (seconds), the
+    lease is kept that long from then, and left to lapse, instead of released."""
+    lease, pid = left.lease, left.pid
     deadline = runtime.monotonic() + patience
     while pid and alive(pid):
         if runtime.monotonic() >= deadline:
@@ -76,11 +109,29 @@ def release_when_gone(
             )
             return
         runtime.sleep(0.02)
+    let_go(backend, left, task_id, keep)
+
+
+def let_go(backend: Backend, left: Left, task_id: str, keep: float = 0.0) -> bool:
+    """Release ``left``'s lease, whose process has ended, or with ``keep`` (seconds)
+    keep it that long and let it lapse. Returns whether the lease is kept."""
+    lease = left.lease
     try:
+        if keep > 0:
+            if backend.renew([dataclasses.replace(lease, ttl=keep)]):
+                return False  # lost already: expired, or freed by a copy of the call
+            logger.warning(
+                "lease key=%s of lost task_id=%s kept %.1fs more (its window or rate slot)",
+                lease.key,
+                task_id,
+                keep,
+            )
+            return True
         if backend.release(lease):
             logger.warning("released lease key=%s of lost task_id=%s", lease.key, task_id)
     except ExclusiveError as exc:
         logger.warning("lease of lost task %s on %s left to expire: %s", task_id, lease.key, exc)
+    return False
 
 
 def alive(pid: int) -> bool:

@@ -28,7 +28,7 @@ from .. import runtime, telemetry
 from ..backends import Backend, End, FinalWrite, MarkSwap, versions
 from ..backends.base import require
 from ..core import debounce, marks, outcomes, policies, terminate
-from ..core.config import Settings, parse_rate
+from ..core.config import Settings
 from ..core.lease import HeldLease, UnlockedLease
 from ..core.outcomes import Outcome
 from ..core.policies import Granted
@@ -36,10 +36,6 @@ from ..errors import BackendUnavailable, ExclusiveError, LayoutMismatch, LeaseLo
 from .arguments import decode_call, encode_call
 
 logger = logging.getLogger("celery_exclusive")
-
-#: Seconds a rate's slot is kept beyond its period: a store counts a ttl in whole
-#: milliseconds by its clock, and may end it up to two of them early (Redis floors both).
-RATE_MARGIN = 0.002
 
 AnyLease = Union[HeldLease, UnlockedLease]
 
@@ -769,18 +765,9 @@ class Attempt:
             self._drop_resume()
 
     def _kept_after(self, lease: HeldLease, failed: bool) -> float:
-        """Seconds the run's lease is kept once it ended: its uniqueness window (after
-        a success, or every end), and under a rate, what is left of the period since its
-        grant (counted from the grant's answer: the store granted it before)."""
-        settings = self.call.settings
-        keep = 0.0
-        if settings.unique_for and not (failed and settings.unique_after == "success"):
-            keep = settings.unique_for
-        if settings.rate is not None:
-            _, period = parse_rate(settings.rate) or (0, 0.0)
-            elapsed = runtime.monotonic() - lease.answered_at
-            keep = max(keep, period - elapsed + RATE_MARGIN)
-        return keep
+        """Seconds the run's lease is kept once it ended (:meth:`Settings.kept_after`),
+        its rate's period counted from the grant's answer (the store granted it before)."""
+        return self.call.settings.kept_after(failed, runtime.monotonic() - lease.answered_at)
 
     def _keep_window(self, lease: HeldLease, seconds: float) -> None:
         """The run's uniqueness window: its end recorded as a release records it, then

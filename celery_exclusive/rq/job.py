@@ -33,19 +33,21 @@ import time
 from datetime import datetime, timedelta, timezone
 from typing import Any, Optional
 
+from redis.exceptions import RedisError
 from rq.job import Job, JobStatus, Retry
 from rq.queue import Queue
 from rq.registry import CanceledJobRegistry
 from rq.scheduler import RQScheduler
+from rq.utils import as_text
 from rq.worker import Worker
 
 from .. import runtime
 from ..backends import backend_for_url
-from ..core import config, kill_notes, outcomes, reaper
+from ..core import config, kill_notes, marks, outcomes, reaper
 from ..core.keys import build_key
 from ..core.lease import HeldLease
 from ..engine import attempt
-from ..errors import BackendUnavailable, ExclusiveKeyError
+from ..errors import BackendUnavailable, ExclusiveError, ExclusiveKeyError
 from .calls import admitted, exclusive_options
 from .options import job_timeout, settings_for, within_timeout
 
@@ -128,12 +130,13 @@ class ExclusiveJob(Job):
         settings = within_timeout(settings, self.timeout)
         key = self._exclusive_key(settings)
         self._exclusive_arguments = (tuple(self.args), dict(self.kwargs))
+        backend = backend_for_url(settings.backend_url)
         the_call = attempt.Call(
             self.func_name,
             self.id,
             key,
             settings,
-            backend_for_url(settings.backend_url),
+            backend,
             *self._exclusive_arguments,
             requeues=self._exclusive_requeues(),
             # A retry of an attempt that ran (and failed, was killed or lost its lease) is
@@ -152,7 +155,37 @@ class ExclusiveJob(Job):
             noun="job",
             setting_prefix="",
         )
-        return attempt.run(the_call, host, self._run_body).carry_out(JobOutcomes(self, settings))
+        self._hand_on_canceled_rerun(backend, key, settings)
+        try:
+            return attempt.run(the_call, host, self._run_body).carry_out(
+                JobOutcomes(self, settings)
+            )
+        finally:
+            self._hand_on_canceled_rerun(backend, key, settings)
+
+    def _hand_on_canceled_rerun(self, backend: Any, key: str, settings: config.Settings) -> None:
+        """Hand on the run owed by a pending rerun of ``key`` that RQ canceled.
+
+        RQ's ``cancel_job`` fetches a plain ``Job``, so a pending rerun canceled while
+        away on its requeue never tells this class; the run its coalesced duplicates
+        joined would wait for a later duplicate. Each job of the key looks as it starts
+        and as it ends (the holder's end is when the rerun was due), and where RQ says
+        the pending job was canceled or deleted, a new job takes its place."""
+        if settings.on_duplicate != "rerun":
+            return
+        try:
+            pending = marks.pending_rerun(backend, key)
+            if pending is None or pending == self.id:
+                return
+            status = self.connection.hget(Job.key_for(pending), "status")
+            if status is not None and as_text(status) != JobStatus.CANCELED.value:
+                return
+            owed = attempt.owed_rerun(backend, key, pending)
+        except (ExclusiveError, RedisError) as exc:  # the next job of the key looks again
+            logger.warning("could not look at the pending rerun of %s: %s", key, exc)
+            return
+        if owed is not None:
+            self._send_owed_rerun(owed, pending, "was canceled")
 
     def _run_body(self, args: tuple, kwargs: dict) -> Any:
         """The body, under the lease the engine took: the function, let through once."""
@@ -401,9 +434,13 @@ class ExclusiveJob(Job):
         else:
             queue.enqueue_job(self, pipeline=pipeline)
 
-    def _send_owed_rerun(self, owed: outcomes.OwedRun) -> None:
-        """This job died as the pending rerun of its key: the duplicates coalesced into
-        it are owed a run, which a new job of the same function does."""
+    def _send_owed_rerun(
+        self, owed: outcomes.OwedRun, dead: Optional[str] = None, how: str = "died"
+    ) -> None:
+        """This job (or job ``dead`` of the same function) ended as the pending rerun of
+        its key without running: the duplicates coalesced into it are owed a run, which
+        a new job of the same function does."""
+        dead = dead or self.id
         queue = Queue(self.origin, connection=self.connection, job_class=type(self))
         # It carries when its change was sent: no newer change is replaced.
         job = queue.enqueue_call(
@@ -411,11 +448,12 @@ class ExclusiveJob(Job):
             args=owed.args,
             kwargs=owed.kwargs,
             timeout=self.timeout,
-            meta={META_KEY: {"owed_by": self.id, **_stamp(owed.as_of)}},
+            meta={META_KEY: {"owed_by": dead, **_stamp(owed.as_of)}},
         )
         logger.warning(
-            "pending rerun job %s died; its run goes to job %s (its duplicates are owed it)",
-            self.id,
+            "pending rerun job %s %s; its run goes to job %s (its duplicates are owed it)",
+            dead,
+            how,
             job.id,
         )
 
@@ -431,9 +469,10 @@ class ExclusiveJob(Job):
             settings = settings_for(self.func_name, options, self.connection)
             key = self._exclusive_key(settings)
             backend = backend_for_url(settings.backend_url)
-            for lease, pid in reaper.leases_on_this_host(backend, key, self.id, settings.limit):
+            for left in reaper.leases_on_this_host(backend, key, self.id, settings.limit):
                 # The worker has waited for its horse: a process still running is not it.
-                reaper.release_when_gone(backend, lease, pid, self.id, patience=0)
+                keep = reaper.kept_after_death(settings, left, comes_back)
+                reaper.release_when_gone(backend, left, self.id, patience=0, keep=keep)
             owed = None if comes_back else attempt.owed_rerun(backend, key, self.id)
             if owed is not None:
                 self._send_owed_rerun(owed)

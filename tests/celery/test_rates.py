@@ -8,13 +8,15 @@ Redis ledger with its start (one host: the workers' and the store's clocks agree
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
 
 from tests.support.apps import kept
 from tests.support.apps.kept import RATE_PERIOD, RATE_RUNS
-from tests.support.cluster import KEEPING_STORES, kept_stack
+from tests.support.cluster import KEEPING_STORES, kept_stack, wait_until
 from tests.support.workers import read_ledger
 
 #: How late a body may start after its grant (the store decides by the grant).
@@ -74,3 +76,25 @@ def test_a_throttle_delays_the_excess_and_runs_every_call(cluster):
         assert most_granted_in_a_period(cluster, "webhook") <= RATE_RUNS
     # Eight runs at three a period: the last starts two periods after the first.
     assert starts[-1] - starts[0] >= 2 * RATE_PERIOD - SLACK, starts
+
+
+def test_runs_whose_processes_are_killed_keep_their_slots_a_period_after_their_grants(cluster):
+    sent_at = time.time()  # before any of their grants
+    for _ in range(RATE_RUNS):
+        kept.rated_skip.delay("killed", 30.0)
+    assert wait_until(lambda: len(cluster.holders("killed")) == RATE_RUNS, timeout=15)
+    for holder in cluster.holders("killed"):
+        os.kill(holder.holder["pid"], signal.SIGKILL)
+    # Each slot is kept to a period after its grant, as the end of its run keeps it: the
+    # calls sent meanwhile find none, however soon the worker frees what the dead held.
+    first = wait_until(lambda: run_once(kept.rated_skip, "killed"), timeout=30, step=0.05)
+    assert first, "no call ran after the killed runs' period"
+    assert first["start"] >= sent_at + RATE_PERIOD - SLACK
+    # ... and no longer than that and one renewal interval (a third of the lease's ttl).
+    assert first["start"] < sent_at + RATE_PERIOD + 3.0
+
+
+def run_once(task, key: str):
+    """The run of one call of ``key`` (skip_state="success"), or None if it was skipped."""
+    outcome = task.delay(key, 0).get(timeout=30)
+    return None if outcome.get("outcome") == "skipped" else outcome

@@ -9,12 +9,16 @@ agree).
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 
 from celery_exclusive import DuplicateSkipped
 from tests.support.apps import kept
 from tests.support.apps.kept import WINDOW
-from tests.support.cluster import KEEPING_STORES, Stack, kept_stack, wait_until
+from tests.support.cluster import KEEPING_STORES, Stack, kept_stack, start_holding, wait_until
 from tests.support.workers import Worker, read_ledger
 
 #: Clock readings of two processes of one host, a run's end and the next one's start.
@@ -85,6 +89,39 @@ def test_unique_after_end_keeps_the_window_after_a_failed_run_too(cluster):
     duplicate = kept.windowed_after_end.delay("invoice", 0)
     with pytest.raises(DuplicateSkipped, match=failed.id):
         duplicate.get(timeout=30)
+
+
+def test_a_run_killed_under_unique_after_end_keeps_its_window(cluster):
+    holding = start_holding(kept.windowed_after_end, "killed-end", 30, cluster)
+    os.kill(cluster.holders("killed-end")[0].holder["pid"], signal.SIGKILL)
+    killed_at = time.time()
+    # The worker frees what a dead child held, but a run that died ended: its window
+    # is kept, and a call meeting it is a duplicate of the killed run.
+    time.sleep(0.5)
+    duplicate = kept.windowed_after_end.delay("killed-end", 0)
+    with pytest.raises(DuplicateSkipped, match=holding.id):
+        duplicate.get(timeout=30)
+    assert time.time() < killed_at + WINDOW, "the duplicate came too late to tell anything"
+    later = wait_until(lambda: run_once(kept.windowed_after_end, "killed-end"), timeout=30)
+    assert later["start"] >= killed_at + WINDOW - SLACK
+
+
+def test_a_run_killed_under_the_default_frees_its_key_at_once(cluster):
+    start_holding(kept.windowed_skip, "killed-success", 30, cluster)
+    os.kill(cluster.holders("killed-success")[0].holder["pid"], signal.SIGKILL)
+    killed_at = time.time()
+    later = wait_until(lambda: run_once(kept.windowed_skip, "killed-success"), timeout=30)
+    # Freed as the worker saw the death, not a window (nor a lease ttl) later.
+    assert later["start"] < killed_at + WINDOW
+
+
+def run_once(task, key: str):
+    """The run of one call of ``key``, or None if it was a duplicate."""
+    try:
+        return task.delay(key, 0).get(timeout=30)
+    except DuplicateSkipped:
+        time.sleep(0.1)
+        return None
 
 
 def test_a_retry_sent_from_a_run_that_goes_on_does_not_meet_its_own_window(cluster):

@@ -434,6 +434,30 @@ def test_the_run_a_pending_rerun_owed_goes_to_a_new_job_when_its_horse_dies(rq_s
     assert [e["job_id"] for e in rq_stack.ledger()] == [holder.id, owed.id]
 
 
+def test_the_run_a_pending_rerun_owed_goes_to_a_new_job_when_rq_cancels_it(rq_stack):
+    holder = rq_stack.enqueue(rq_jobs.webhook_sent_away, "canceled", 0, 2.5)
+    assert wait_until(lambda: rq_stack.holders("canceled"), timeout=20), "holder never started"
+    pending = rq_stack.enqueue(rq_jobs.webhook_sent_away, "canceled", 1)
+    store = backend_for_url(rq_stack.url)
+    # Away on its requeue (out of the line for 5 s), and still the pending rerun.
+    assert wait_until(lambda: status(pending) == "scheduled", timeout=10), status(pending)
+    assert marks.pending_rerun(store, "exclusive:canceled") == pending.id
+    joined = rq_stack.enqueue(rq_jobs.webhook_sent_away, "canceled", 2)
+    assert wait_done([joined], timeout=10) == ["canceled"]
+    assert meta(joined)["rerun"] == pending.id
+    rq.cancel_job(pending.id, connection=rq_stack.client)  # a plain Job: RQ's own call
+    # As the holder's run ends, the canceled job's place goes to a new job, which runs
+    # the change the joined duplicate brought.
+    assert wait_until(lambda: len(rq_stack.ledger()) == 2, timeout=20), rq_stack.ledger()
+    first, second = rq_stack.ledger()
+    owed = Job.fetch(second["job_id"], connection=rq_stack.client)
+    assert first["job_id"] == holder.id and owed.id not in (pending.id, joined.id)
+    assert wait_done([owed], timeout=10) == ["finished"]
+    assert owed.return_value()["version"] == 2
+    assert second["start"] >= first["end"]
+    assert status(pending) == "canceled"
+
+
 def run_as_pending_rerun(rq_stack: Stack, function, key: str) -> tuple[Job, object]:
     """Hold ``key`` here while ``function(key, 1)`` becomes its pending rerun and
     ``function(key, 2|3)`` coalesce into it, then free it: the pending job runs with

@@ -322,9 +322,16 @@ MUTANTS = [
     Mutant(
         "rate-slot-given-back-at-the-end",
         "under a rate, a run gives its slot back as it ends, not a period after its grant",
-        "engine/attempt.py",
-        "            keep = max(keep, period - elapsed + RATE_MARGIN)",
-        "            keep = max(keep, 0.0 * elapsed)",
+        "core/config.py",
+        "            keep = max(keep, period - since_grant + RATE_MARGIN)",
+        "            keep = max(keep, 0.0 * since_grant)",
+    ),
+    Mutant(
+        "dead-holders-slot-freed",
+        "the worker frees the rate slot (or window) of a run whose process died at once",
+        "core/reaper.py",
+        "    return settings.kept_after(True, since_grant, window=not comes_back)",
+        "    return 0.0 * since_grant",
     ),
     Mutant(
         "duplicate-of-nobody-skipped",

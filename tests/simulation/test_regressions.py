@@ -105,6 +105,14 @@ FOUND = [
         "meeting its run as it ended was lost",
     ),
     (
+        "dead-holders-slot-freed",
+        6,
+        6,
+        "the worker keeps a dead holder's lease as a failed run's end keeps it: a rate's "
+        "slot to a period after its grant, a window after every end; freed at once, the "
+        "rate admitted a run more in the period",
+    ),
+    (
         "older-change-replaces-a-bursts-newer",
         29,
         5,

@@ -132,6 +132,8 @@ class Config:
     handoff_kills: float = 0.0
     #: Seconds a key stays taken after a run of it ends (limit 1 only).
     unique_for: float = 0.0
+    #: Which runs keep that window: "success" or "end" (a run that raised or died too).
+    unique_after: str = "success"
     #: ``rate``: the limit's runs per this many seconds (0: no rate).
     rate_period: float = 0.0
     #: ``debounce`` and ``debounce_max_wait`` (0: none).
@@ -155,6 +157,7 @@ class Config:
             on_backend_error=self.on_backend_error,  # type: ignore[arg-type]
             scope=self.scope,  # type: ignore[arg-type]
             unique_for=self.unique_for,
+            unique_after=self.unique_after,  # type: ignore[arg-type]
             rate=f"{self.limit}/{self.rate_period}s" if self.rate_period else None,
             debounce=self.debounce,
             debounce_max_wait=self.debounce_max_wait,
@@ -233,6 +236,9 @@ def _with_later_draws(config: Config, seed: int, faults: int) -> Config:
     if faults >= 4 and config.limit == 1:
         chance = random.Random(seed * 7919 + 23)
         config = dataclasses.replace(config, unique_for=chance.choice([0.0, 0.0, 1.0, 4.0]))
+        if config.unique_for:
+            after = random.Random(seed * 7919 + 41).choice(["success", "end"])
+            config = dataclasses.replace(config, unique_after=after)
     if faults >= 4:
         chance = random.Random(seed * 7919 + 29)
         config = dataclasses.replace(config, rate_period=chance.choice([0.0, 0.0, 1.0, 3.0]))
@@ -360,6 +366,10 @@ class World(Traced):
         #: Sends refused at enqueue: task id -> (when, key, the call named instead).
         self.refused: dict[str, tuple[float, str, str]] = {}
         self.handoff_chance = random.Random(seed * 7919 + 21)  # the third world's
+        #: The leases still held when their holder died, which its worker must keep as
+        #: a failed run's (a rate slot, and under ``unique_after="end"`` a window):
+        #: owner -> whether a window is owed (the call does not come back).
+        self.held_at_death: dict[str, bool] = {}
         config = self.config
         #: No fault of any kind is drawn: every store call is answered.
         self.faultless = config.link == LinkFaults() and not (
@@ -692,7 +702,7 @@ class World(Traced):
         for before in reversed(self.bodies):
             if before.key != body.key or before.ended is None:
                 continue
-            if self._kept(before) and body.started < before.ended + window - 1e-9:
+            if self._kept(before, window=True) and body.started < before.ended + window - 1e-9:
                 raise Violation(
                     f"body {body.task_id} starts on {body.key!r} at {body.started:.3f}, "
                     f"within the window of {window}s after {before.task_id}'s run ended at "
@@ -724,14 +734,18 @@ class World(Traced):
                     "still runs"
                 )
 
-    def _kept(self, body: Body) -> bool:
+    def _kept(self, body: Body, window: bool = False) -> bool:
         """Whether the lease of ``body``'s run was kept past its end: as the store said,
         or certainly (a run that returned in a world without faults, where no store call
-        can fail). Not once its process died: its worker frees what a dead process held,
-        not knowing that its run had ended."""
+        can fail); once its process died, if its lease was still held then (its worker
+        keeps it as a failed run's: its rate slot, and its window, asked for with
+        ``window``, only where a failed run keeps one)."""
         lease = body.lease
-        if not isinstance(lease, HeldLease) or not body.process.alive:
+        if not isinstance(lease, HeldLease):
             return False
+        if not body.process.alive:
+            owed = self.held_at_death.get(lease.grant.owner)
+            return owed is not None and (owed or not window)
         returned = self.faultless and body.how == "returned" and not lease.lost
         return lease.kept_for is not None or returned
 
@@ -835,7 +849,7 @@ class World(Traced):
                     self._end(message, "killed, sent again")
                     SimOutcomes(self, message).handle_requeue(rerun)
                     self._ack(message)
-                    self._free_left(direct, message, child)
+                    self._free_left(direct, message, child, comes_back=True)
                     self._replace(child)
                     return
             if handed_back:
@@ -855,7 +869,7 @@ class World(Traced):
                     owed = attempt.owed_rerun(direct, key, message.task_id)
                     if owed is not None:
                         self._send_owed(message, owed)
-            self._free_left(direct, message, child)
+            self._free_left(direct, message, child, comes_back=handed_back)
         self._replace(child)
 
     def _send_owed(self, message: Message, owed: outcomes.OwedRun) -> None:
@@ -888,12 +902,19 @@ class World(Traced):
                 self.live.setdefault(message.key, set()).add(message.task_id)
         self._publish(message, countdown)
 
-    def _free_left(self, direct: Any, message: Message, child: Any) -> None:
-        for lease, pid in reaper.leases_on_this_host(
+    def _free_left(
+        self, direct: Any, message: Message, child: Any, comes_back: bool = False
+    ) -> None:
+        """Release (or keep, for its window or rate slot) what the dead child held, as
+        the worker's main process does once the child is gone."""
+        for left in reaper.leases_on_this_host(
             direct, message.key, message.task_id, self.settings.limit
         ):
-            if pid == child.pid:
-                direct.release(lease)
+            if left.pid == child.pid:
+                window = self.config.unique_after == "end" and not comes_back
+                self.held_at_death[left.lease.owner] = window
+                keep = reaper.kept_after_death(self.settings, left, comes_back)
+                reaper.let_go(direct, left, message.task_id, keep)
 
     def _replace(self, child: Any) -> None:
         index = self.children.index(child)

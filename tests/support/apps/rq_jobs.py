@@ -153,6 +153,14 @@ def webhook(key: str, version: int, duration: float = 0.0) -> dict:
     return {**run(key, duration), "version": version}
 
 
+@exclusive(
+    key="{key}", on_duplicate="rerun", wait_timeout=0.3, requeue_delay=5, requeue_max_delay=5
+)
+def webhook_sent_away(key: str, version: int, duration: float = 0.0) -> dict:
+    """``webhook`` whose pending rerun soon leaves the line for a requeue of 5 s."""
+    return {**run(key, duration), "version": version}
+
+
 @exclusive(key="{key}", on_duplicate="rerun")
 def webhook_until_told(key: str, version: int, timeout: float = 30) -> dict:
     """``webhook`` that runs until the test pushes to ``go:<key>``."""
