@@ -170,6 +170,12 @@ class ExclusiveRequest(Request):
         self.__dict__["_exclusive_retried"] = bool(retried)
         return retried
 
+    @property
+    def _granted_by(self) -> dict[str, float]:
+        """When the leases of this call's dead process were granted at the latest, as
+        the first look at them estimated it (see reaper.kept_after_death)."""
+        return self.__dict__.setdefault("_exclusive_granted_by", {})
+
     def _child_exited(self, pid: int) -> None:
         """In the watcher's thread: the child running this call exited. Unless Celery has
         ended the call already (it succeeded: the child released its lease itself), free
@@ -198,7 +204,9 @@ class ExclusiveRequest(Request):
             return
         # Kept as for a call that does not come back; Celery's report says later whether
         # it does, and then a window kept for it ends (_release_dead_holder).
-        reaper.release_left_by(backend, key, self.id, settings, pid, comes_back=False)
+        reaper.release_left_by(
+            backend, key, self.id, settings, pid, comes_back=False, granted_by=self._granted_by
+        )
 
     def _release_dead_holder(self, acknowledged: bool, comes_back: Optional[bool] = None) -> None:
         """Free what the dead child held, and unless the call comes back, its place in
@@ -237,7 +245,9 @@ class ExclusiveRequest(Request):
         if not comes_back:
             self._send_owed_rerun(task, key)
         for left in held:
-            keep = reaper.kept_after_death(task.exclusive_settings, left, comes_back)
+            keep = reaper.kept_after_death(
+                task.exclusive_settings, left, comes_back, self._granted_by
+            )
             threading.Thread(
                 target=reaper.release_when_gone,
                 args=(backend, left, self.id),

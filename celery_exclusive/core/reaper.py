@@ -54,7 +54,12 @@ def leases_on_this_host(backend: Backend, key: str, task_id: str, limit: int) ->
     return found
 
 
-def kept_after_death(settings: Settings, left: Left, comes_back: bool) -> float:
+def kept_after_death(
+    settings: Settings,
+    left: Left,
+    comes_back: bool,
+    granted_by: Optional[dict[str, float]] = None,
+) -> float:
     """Seconds the lease of a holder that died is kept rather than freed: a run that
     died is a run that failed (:meth:`~.config.Settings.kept_after`), so under a rate
     its slot stays to a period after its grant, and under ``unique_after="end"`` its
@@ -63,15 +68,27 @@ def kept_after_death(settings: Settings, left: Left, comes_back: bool) -> float:
     The grant's time is not kept; its last extension came at or after it, so the time
     since then counts as the time since the grant: the slot never ends before a period
     after the grant, and ends at most a renewal interval later (a full period, where the
-    store cannot say)."""
+    store cannot say). Once kept, a lease reads back with another ttl than its record
+    says, and its time since the last extension means nothing: a caller that looks at
+    a dead holder's leases twice (Celery frees them as the child exits, and again when
+    it reports the death) passes one ``granted_by`` (owner -> monotonic time by which
+    it was granted) both times, so that the first reading stands."""
     if not settings.keeps_lease:
         return 0.0
-    since_grant = max(0.0, left.extended_ago or 0.0)
-    return settings.kept_after(True, since_grant, window=not comes_back)
+    now = runtime.monotonic()
+    estimate = now - max(0.0, left.extended_ago or 0.0)
+    at = estimate if granted_by is None else granted_by.setdefault(left.lease.owner, estimate)
+    return settings.kept_after(True, now - at, window=not comes_back)
 
 
 def release_left_by(
-    backend: Backend, key: str, task_id: str, settings: Settings, pid: int, comes_back: bool
+    backend: Backend,
+    key: str,
+    task_id: str,
+    settings: Settings,
+    pid: int,
+    comes_back: bool,
+    granted_by: Optional[dict[str, float]] = None,
 ) -> None:
     """Release what ``task_id`` holds on ``key`` from process ``pid`` of this host, which
     has exited (or keep it: :func:`kept_after_death`). A lease of another process is
@@ -83,7 +100,7 @@ def release_left_by(
         return
     for left in held:
         if left.pid == pid:
-            keep = kept_after_death(settings, left, comes_back)
+            keep = kept_after_death(settings, left, comes_back, granted_by)
             release_when_gone(backend, left, task_id, keep=keep)
 
 

@@ -908,10 +908,16 @@ def owed_rerun(backend: Backend, key: str, task_id: Optional[str]) -> Optional[o
     """The call ``task_id`` died (its process killed, its job stopped) without ending
     its attempt: if it was the pending rerun of ``key``, the duplicates that joined it
     are owed its run. Returns what the host sends a new call with (it becomes the
-    pending rerun, or runs), or None."""
+    pending rerun, or runs), or None.
+
+    A take whose answer was lost may have taken the arguments: they are handed on all
+    the same (at worst one change is run twice, never lost)."""
     if not task_id:
         return None
-    arguments = marks.drop_dead_rerun(backend, key, task_id)
+    try:
+        arguments = marks.drop_dead_rerun(backend, key, task_id)
+    except marks.LostTake as lost:
+        arguments = lost.arguments
     if arguments is None:
         return None
     args, kwargs = decode_call(arguments)

@@ -33,7 +33,6 @@ import time
 from datetime import datetime, timedelta, timezone
 from typing import Any, Optional
 
-from redis.exceptions import RedisError
 from rq.job import Job, JobStatus, Retry
 from rq.queue import Queue
 from rq.registry import CanceledJobRegistry
@@ -47,7 +46,7 @@ from ..core import config, kill_notes, marks, outcomes, reaper
 from ..core.keys import build_key
 from ..core.lease import HeldLease
 from ..engine import attempt
-from ..errors import BackendUnavailable, ExclusiveError, ExclusiveKeyError
+from ..errors import BackendUnavailable, ExclusiveKeyError
 from .calls import admitted, exclusive_options
 from .options import job_timeout, settings_for, within_timeout
 
@@ -170,7 +169,10 @@ class ExclusiveJob(Job):
         away on its requeue never tells this class; the run its coalesced duplicates
         joined would wait for a later duplicate. Each job of the key looks as it starts
         and as it ends (the holder's end is when the rerun was due), and where RQ says
-        the pending job was canceled or deleted, a new job takes its place."""
+        the pending job was canceled, and it does not stand in the key's line (RQ's
+        cancel does not stop a job already running: one waiting in line still runs), a
+        new job of its function takes its place. Never raises: the job goes on, and the
+        next job of the key looks again."""
         if settings.on_duplicate != "rerun":
             return
         try:
@@ -178,14 +180,16 @@ class ExclusiveJob(Job):
             if pending is None or pending == self.id:
                 return
             status = self.connection.hget(Job.key_for(pending), "status")
-            if status is not None and as_text(status) != JobStatus.CANCELED.value:
+            if status is None or as_text(status) != JobStatus.CANCELED.value:
+                return  # running, queued, or no RQ job of this connection
+            if pending in marks.line_of(backend, key):
                 return
+            canceled = Job.fetch(pending, connection=self.connection, serializer=self.serializer)
             owed = attempt.owed_rerun(backend, key, pending)
-        except (ExclusiveError, RedisError) as exc:  # the next job of the key looks again
-            logger.warning("could not look at the pending rerun of %s: %s", key, exc)
-            return
-        if owed is not None:
-            self._send_owed_rerun(owed, pending, "was canceled")
+            if owed is not None:
+                self._send_owed_rerun(owed, canceled, "was canceled")
+        except Exception as exc:  # never in the way of the job's own end
+            logger.warning("could not hand on the run of the canceled rerun of %s: %s", key, exc)
 
     def _run_body(self, args: tuple, kwargs: dict) -> Any:
         """The body, under the lease the engine took: the function, let through once."""
@@ -435,24 +439,24 @@ class ExclusiveJob(Job):
             queue.enqueue_job(self, pipeline=pipeline)
 
     def _send_owed_rerun(
-        self, owed: outcomes.OwedRun, dead: Optional[str] = None, how: str = "died"
+        self, owed: outcomes.OwedRun, dead: Optional[Job] = None, how: str = "died"
     ) -> None:
-        """This job (or job ``dead`` of the same function) ended as the pending rerun of
-        its key without running: the duplicates coalesced into it are owed a run, which
-        a new job of the same function does."""
-        dead = dead or self.id
-        queue = Queue(self.origin, connection=self.connection, job_class=type(self))
+        """This job (or the job ``dead``) ended as the pending rerun of its key without
+        running: the duplicates coalesced into it are owed a run, which a new job of the
+        same function, on the same queue, does."""
+        dead = dead or self
+        queue = Queue(dead.origin, connection=self.connection, job_class=type(self))
         # It carries when its change was sent: no newer change is replaced.
         job = queue.enqueue_call(
-            self.func_name,
+            dead.func_name,
             args=owed.args,
             kwargs=owed.kwargs,
-            timeout=self.timeout,
-            meta={META_KEY: {"owed_by": dead, **_stamp(owed.as_of)}},
+            timeout=dead.timeout,
+            meta={META_KEY: {"owed_by": dead.id, **_stamp(owed.as_of)}},
         )
         logger.warning(
             "pending rerun job %s %s; its run goes to job %s (its duplicates are owed it)",
-            dead,
+            dead.id,
             how,
             job.id,
         )

@@ -458,6 +458,20 @@ def test_the_run_a_pending_rerun_owed_goes_to_a_new_job_when_rq_cancels_it(rq_st
     assert status(pending) == "canceled"
 
 
+def test_a_pending_rerun_canceled_while_it_waits_in_line_still_runs_and_only_it(rq_stack):
+    # RQ's cancel does not stop a job already running: it waits on, and runs.
+    holder = rq_stack.enqueue(rq_jobs.webhook_until_told, "waits-on", 0)
+    assert wait_until(lambda: rq_stack.holders("waits-on"), timeout=20), "holder never started"
+    pending = rq_stack.enqueue(rq_jobs.webhook, "waits-on", 1)
+    store = backend_for_url(rq_stack.url)
+    assert wait_until(lambda: marks.line_of(store, "exclusive:waits-on") == [pending.id], 10)
+    rq.cancel_job(pending.id, connection=rq_stack.client)
+    tell(rq_stack, "waits-on")
+    assert wait_until(lambda: len(rq_stack.ledger()) == 2, timeout=20), rq_stack.ledger()
+    time.sleep(1.0)  # a run handed on to a new job as well would have started by now
+    assert [e["job_id"] for e in rq_stack.ledger()] == [holder.id, pending.id]
+
+
 def run_as_pending_rerun(rq_stack: Stack, function, key: str) -> tuple[Job, object]:
     """Hold ``key`` here while ``function(key, 1)`` becomes its pending rerun and
     ``function(key, 2|3)`` coalesce into it, then free it: the pending job runs with
