@@ -121,6 +121,13 @@ def exclusive_both(i: int) -> None:
     return None
 
 
+@app.task(name="bench.exclusive_replace", base=ExclusiveTask, exclusive_on_duplicate="replace")
+def exclusive_replace(i: int) -> None:
+    """What ``replace`` adds to a call that meets no running call: a read of the
+    key's replaced mark as it claims, and another as its grant finds the key free."""
+    return None
+
+
 def _results_elsewhere():
     """Celery's Redis result backend on the same server reached by another address
     (``localhost``), which the release script does not write for: the fallback path,
@@ -219,6 +226,7 @@ STREAM_NOOPS = {
     "celery-singleton": singleton,
     "exclusive": exclusive,
     'exclusive, scope="both"': exclusive_both,
+    'exclusive, on_duplicate="replace"': exclusive_replace,
     "exclusive, result stored by Celery": exclusive_results_elsewhere,
     "plain, acks_late": plain_acks_late,
     "exclusive, acks_late": exclusive_acks_late,

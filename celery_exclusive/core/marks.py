@@ -535,14 +535,23 @@ def replaced_run_left(backend: Backend, key: str, own_token: int) -> float:
     """Seconds a run of ``key`` that a newer call replaced may still run (not the grant
     ``own_token``, the caller's): 0 once each said it stopped, or once its lease's ttl
     and grace have passed (its own deadline has stopped it by then), or where none was
-    replaced. Never more than the longest such bound, whatever the store's clock did."""
+    replaced. Never more than the longest such bound, whatever the store's clock did.
+    One read where none runs (a free key's grant); the store's clock besides otherwise."""
+    entries = replaced_runs(backend, key, own_token)
+    if not entries:
+        return 0.0
     now = backend.store_time()
-    entries = [
+    return max(min(e["until"] - now, e["within"]) for e in entries)
+
+
+def replaced_runs(backend: Backend, key: str, own_token: int) -> list[dict]:
+    """The entries of the runs of ``key`` a newer call replaced that have not said they
+    stopped (not the grant ``own_token``, the caller's)."""
+    return [
         e
         for e in _replaced(backend.read_mark(key, REPLACED))
         if not e["stopped"] and e["token"] != own_token
     ]
-    return max((min(e["until"] - now, e["within"]) for e in entries), default=0.0)
 
 
 def _replaced(current: Optional[str]) -> list[dict]:

@@ -187,11 +187,13 @@ def after_the_replaced_run(backend: Backend, lease: HeldLease) -> bool:
     replaced this one as it waited), or the store did not answer, and the call goes
     back to the queue rather than run beside a run that may go on."""
     try:
+        # Bounded by this first look: only the holder's grant is ever replaced, so no
+        # run to wait for comes meanwhile (a newer call replacing this one frees it).
         left = marks.replaced_run_left(backend, lease.key, lease.fencing_token)
-        until = runtime.monotonic() + left
-        while left > 0 and runtime.monotonic() < until and lease.held:
+        until, running = runtime.monotonic() + left, left > 0
+        while running and runtime.monotonic() < until and lease.held:
             runtime.sleep(REPLACE_POLL)
-            left = marks.replaced_run_left(backend, lease.key, lease.fencing_token)
+            running = bool(marks.replaced_runs(backend, lease.key, lease.fencing_token))
     except BackendUnavailable:
         lease.release()
         return False

@@ -138,8 +138,9 @@ MUTANTS = [
         "owed-run-never-handed-on",
         "the run a dead pending rerun owed its duplicates is never sent",
         "engine/attempt.py",
-        "    arguments = marks.drop_dead_rerun(backend, key, task_id)\n    if arguments is None:",
-        "    arguments = None\n    if arguments is None:",
+        "    try:\n        arguments = marks.drop_dead_rerun(backend, key, task_id)\n"
+        "    except marks.LostTake as lost:\n        arguments = lost.arguments\n",
+        "    arguments = None\n",
     ),
     Mutant(
         "skip-records-no-end",
@@ -330,8 +331,8 @@ MUTANTS = [
         "dead-holders-slot-freed",
         "the worker frees the rate slot (or window) of a run whose process died at once",
         "core/reaper.py",
-        "    return settings.kept_after(True, since_grant, window=not comes_back)",
-        "    return 0.0 * since_grant",
+        "    return settings.kept_after(True, now - at, window=not comes_back)",
+        "    return 0.0 * at",
     ),
     Mutant(
         "duplicate-of-nobody-skipped",
