@@ -335,6 +335,15 @@ MUTANTS = [
         "    return 0.0 * at",
     ),
     Mutant(
+        "dead-holders-second-look-frees-its-slot",
+        "looking again at a dead holder's kept slot reads its shortened ttl as time since "
+        "its grant, and frees it",
+        "core/reaper.py",
+        "    at = estimate if granted_by is None else granted_by.setdefault("
+        "left.lease.owner, estimate)",
+        "    at = estimate",
+    ),
+    Mutant(
         "duplicate-of-nobody-skipped",
         "a call refused as the key came free, that then finds no holder, is skipped anyway",
         "core/policies.py",

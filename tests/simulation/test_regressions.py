@@ -113,6 +113,14 @@ FOUND = [
         "rate admitted a run more in the period",
     ),
     (
+        "dead-holders-second-look-frees-its-slot",
+        6,
+        6,
+        "a dead holder's leases looked at again (Celery frees them as the child exits, and "
+        "again as it reports the death) keep the first look's grant estimate: read again, "
+        "the kept slot's shortened ttl passed for time since its grant, and it was freed",
+    ),
+    (
         "older-change-replaces-a-bursts-newer",
         29,
         5,
