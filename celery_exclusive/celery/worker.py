@@ -104,6 +104,7 @@ class ExclusiveRequest(Request):
         exc = getattr(exc_info, "exception", None)
         exc = getattr(exc, "exc", exc)  # Celery wraps it in ExceptionWithTraceback
         if isinstance(exc, WorkerLostError) and self._send_killed_again(exc, exc_info):
+            self._let_go_for_the_call_sent_again()
             return
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
         exc = getattr(exc_info, "exception", None)
@@ -244,10 +245,28 @@ class ExclusiveRequest(Request):
             return
         if not comes_back:
             self._send_owed_rerun(task, key)
+        self._let_go(backend, held, comes_back)
+
+    def _let_go_for_the_call_sent_again(self) -> None:
+        """The child was killed for its lost lease and the call sent again: what the
+        child's early free kept for a call that does not come back goes (a window: its
+        run is still to come), but for a rate's slot."""
+        task = self.task
+        try:
+            key = task.exclusive_key_for(tuple(self.args or ()), dict(self.kwargs or {}))
+            backend = task.exclusive_backend
+            held = reaper.leases_on_this_host(backend, key, self.id, task.exclusive_settings.limit)
+        except (ExclusiveError, TypeError) as exc:  # TypeError: arguments that never bound
+            logger.warning("could not free the lease of lost task %s: %s", self.id, exc)
+            return
+        self._let_go(backend, held, comes_back=True)
+
+    def _let_go(self, backend: Any, held: list[reaper.Left], comes_back: bool) -> None:
+        """Release, or keep (reaper.kept_after_death), each lease ``held`` once its dead
+        process is gone, in threads of their own (the store may be slow to answer)."""
+        settings = self.task.exclusive_settings
         for left in held:
-            keep = reaper.kept_after_death(
-                task.exclusive_settings, left, comes_back, self._granted_by
-            )
+            keep = reaper.kept_after_death(settings, left, comes_back, self._granted_by)
             threading.Thread(
                 target=reaper.release_when_gone,
                 args=(backend, left, self.id),

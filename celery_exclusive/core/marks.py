@@ -474,12 +474,17 @@ REPLACED_MEMORY = 3600.0
 
 def mark_replaced(
     backend: Backend, key: str, token: int, task_id: str, by: str, stops_within: float
-) -> None:
+) -> bool:
     """Say that the call ``by`` replaces the grant of ``key`` with fencing token
     ``token``, of the call ``task_id`` (before it frees that grant), whose run stops
     within ``stops_within`` seconds at the latest (its lease's ttl and grace). Runs
-    replaced before stay listed: each is waited for, and each learns why it stopped."""
+    replaced before stay listed: each is waited for, and each learns why it stopped.
+
+    Returns False if another call replaced that grant already (its entry stays as it
+    is: the run ends naming the first call that replaced it): that call frees the
+    grant, and a release of it that finds it gone says nothing of whether it stopped."""
     now = backend.store_time()
+    first = True
     entry = {
         "token": token,
         "task_id": task_id,
@@ -490,14 +495,13 @@ def mark_replaced(
     }
 
     def listed(current: Optional[str]) -> str:
-        kept = [
-            e
-            for e in _replaced(current)
-            if e["until"] + REPLACED_MEMORY > now and e["token"] != token
-        ]
-        return json.dumps([*kept, entry])
+        nonlocal first
+        kept = [e for e in _replaced(current) if e["until"] + REPLACED_MEMORY > now]
+        first = all(e["token"] != token for e in kept)
+        return json.dumps([*kept, entry] if first else kept)
 
     _swap(backend, key, REPLACED, listed, stops_within + REPLACED_MEMORY)
+    return first
 
 
 def replaced_by(backend: Backend, key: str, token: int) -> Optional[str]:
@@ -531,17 +535,19 @@ def note_stopped(backend: Backend, key: str, token: int) -> None:
     _swap(backend, key, REPLACED, stopped, max(ttl, 0.0) + REPLACED_MEMORY)
 
 
-def replaced_run_left(backend: Backend, key: str, own_token: int) -> float:
-    """Seconds a run of ``key`` that a newer call replaced may still run (not the grant
-    ``own_token``, the caller's): 0 once each said it stopped, or once its lease's ttl
-    and grace have passed (its own deadline has stopped it by then), or where none was
-    replaced. Never more than the longest such bound, whatever the store's clock did.
-    One read where none runs (a free key's grant); the store's clock besides otherwise."""
+def replaced_runs_left(backend: Backend, key: str, own_token: int) -> dict[int, float]:
+    """The runs of ``key`` that a newer call replaced and that may still run (not the
+    grant ``own_token``, the caller's), by token: the seconds each may still run. A run
+    is over once it said it stopped, or once its lease's ttl and grace have passed (its
+    own deadline has stopped it by then); never more than that bound, whatever the
+    store's clock did. One read where none was replaced (a free key's grant); the
+    store's clock besides otherwise."""
     entries = replaced_runs(backend, key, own_token)
     if not entries:
-        return 0.0
+        return {}
     now = backend.store_time()
-    return max(min(e["until"] - now, e["within"]) for e in entries)
+    left = {e["token"]: min(e["until"] - now, e["within"]) for e in entries}
+    return {token: seconds for token, seconds in left.items() if seconds > 0}
 
 
 def replaced_runs(backend: Backend, key: str, own_token: int) -> list[dict]:

@@ -168,8 +168,8 @@ def replace_running(duplicate: Duplicate) -> Claimed:
     ttl = replaced.holder.get("ttl")
     ttl = ttl if isinstance(ttl, (int, float)) and ttl > 0 else settings.lease_ttl
     stops_within = max(ttl, settings.lease_ttl) + settings.terminate_grace
-    marks.mark_replaced(d.backend, d.key, token, d.holder, d.task_id, stops_within)
-    if d.backend.release(Lease(d.key, replaced.owner, token, 0.0, 1)) is False:
+    first = marks.mark_replaced(d.backend, d.key, token, d.holder, d.task_id, stops_within)
+    if d.backend.release(Lease(d.key, replaced.owner, token, 0.0, 1)) is False and first:
         marks.note_stopped(d.backend, d.key, token)  # it ended as it was replaced
     lease = _try(settings, d.backend, d.key, d.name, d.task_id, d.task_id)
     if lease is None:
@@ -189,11 +189,12 @@ def after_the_replaced_run(backend: Backend, lease: HeldLease) -> bool:
     try:
         # Bounded by this first look: only the holder's grant is ever replaced, so no
         # run to wait for comes meanwhile (a newer call replacing this one frees it).
-        left = marks.replaced_run_left(backend, lease.key, lease.fencing_token)
-        until, running = runtime.monotonic() + left, left > 0
+        left = marks.replaced_runs_left(backend, lease.key, lease.fencing_token)
+        until, running = runtime.monotonic() + max(left.values(), default=0.0), bool(left)
         while running and runtime.monotonic() < until and lease.held:
             runtime.sleep(REPLACE_POLL)
-            running = bool(marks.replaced_runs(backend, lease.key, lease.fencing_token))
+            runs = marks.replaced_runs(backend, lease.key, lease.fencing_token)
+            running = any(run["token"] in left for run in runs)
     except BackendUnavailable:
         lease.release()
         return False

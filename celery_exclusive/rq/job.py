@@ -179,10 +179,10 @@ class ExclusiveJob(Job):
             pending = marks.pending_rerun(backend, key)
             if pending is None or pending == self.id:
                 return
-            status = self.connection.hget(Job.key_for(pending), "status")
+            status = self.connection.hget(type(self).key_for(pending), "status")
             if status is None or as_text(status) != JobStatus.CANCELED.value:
                 return  # running, queued, or no RQ job of this connection
-            if pending in marks.line_of(backend, key):
+            if marks.waiting(backend, key, pending):
                 return
             canceled = Job.fetch(pending, connection=self.connection, serializer=self.serializer)
             owed = attempt.owed_rerun(backend, key, pending)

@@ -804,6 +804,46 @@ def test_a_replaced_call_that_comes_again_ends_replaced_rather_than_replace_its_
     assert attempt.run(again, WORKER, pytest.fail) == outcomes.Replaced(key, "new")
 
 
+def test_a_call_replacing_a_run_another_call_replaced_first_never_says_it_stopped(memory_url):
+    """Two newer calls meet one running call at once: the one whose release finds the
+    grant already freed (by the other) says nothing of whether the run stopped, so the
+    call that runs next still waits for it."""
+    import threading
+
+    from celery_exclusive.core import policies
+
+    settings = Settings(backend_url=memory_url, lease_ttl=5.0, on_duplicate="replace")
+    backend = backend_for_url(memory_url)
+    key = f"exclusive:{uuid.uuid4().hex[:8]}"
+    running = backend.try_acquire(key, "owner-a", 5.0, 1, {"task_id": "a", "ttl": 5.0})
+    seen_by_the_later = backend.holders_of(key)  # read before the first replaced it
+
+    class AsReadBefore:
+        """The store as the later call found it: the running call still holding."""
+
+        def __getattr__(self, name):
+            return getattr(backend, name)
+
+        def holders_of(self, key):
+            return seen_by_the_later
+
+    def duplicate(task_id: str, store) -> policies.Duplicate:
+        return policies.Duplicate(
+            settings, store, key, "t", task_id, 0, None, "a", None, "task", False, 0, False
+        )
+
+    first = threading.Thread(target=policies.replace_running, args=(duplicate("b", backend),))
+    first.start()  # replaces a's run, takes the key, waits for a to stop
+    assert wait_for(lambda: [i.task_id for i in backend.holders_of(key)] == ["b"])
+    later = policies.replace_running(duplicate("c", AsReadBefore()))
+    assert isinstance(later, outcomes.Requeue)  # b holds the key now
+    [run] = marks.replaced_runs(backend, key, own_token=0)
+    assert (run["token"], run["by"], run["stopped"]) == (running.fencing_token, "b", False)
+    marks.note_stopped(backend, key, running.fencing_token)  # a says it stopped
+    first.join(5)
+    assert not first.is_alive()
+
+
 def wait_for(predicate, timeout: float = 5.0) -> bool:
     import time
 

@@ -377,9 +377,16 @@ MUTANTS = [
         "replacing-call-runs-at-once",
         "a call that replaced the running one runs as it takes the key, before that one stopped",
         "core/policies.py",
-        "        left = marks.replaced_run_left(backend, lease.key, lease.fencing_token)\n"
-        "        until",
-        "        left = 0.0\n        until",
+        "        left = marks.replaced_runs_left(backend, lease.key, lease.fencing_token)\n",
+        "        left = {}\n",
+    ),
+    Mutant(
+        "second-replacer-says-it-stopped",
+        "a call whose release of a run another call replaced first finds it freed, and "
+        "says the run stopped",
+        "core/policies.py",
+        "1)) is False and first:",
+        "1)) is False:",
     ),
     Mutant(
         "replaced-run-sent-again",
