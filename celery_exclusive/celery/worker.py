@@ -171,12 +171,6 @@ class ExclusiveRequest(Request):
         self.__dict__["_exclusive_retried"] = bool(retried)
         return retried
 
-    @property
-    def _granted_by(self) -> dict[str, float]:
-        """When the leases of this call's dead process were granted at the latest, as
-        the first look at them estimated it (see reaper.kept_after_death)."""
-        return self.__dict__.setdefault("_exclusive_granted_by", {})
-
     def _child_exited(self, pid: int) -> None:
         """In the watcher's thread: the child running this call exited. Unless Celery has
         ended the call already (it succeeded: the child released its lease itself), free
@@ -205,9 +199,7 @@ class ExclusiveRequest(Request):
             return
         # Kept as for a call that does not come back; Celery's report says later whether
         # it does, and then a window kept for it ends (_release_dead_holder).
-        reaper.release_left_by(
-            backend, key, self.id, settings, pid, comes_back=False, granted_by=self._granted_by
-        )
+        reaper.release_left_by(backend, key, self.id, settings, pid, comes_back=False)
 
     def _release_dead_holder(self, acknowledged: bool, comes_back: Optional[bool] = None) -> None:
         """Free what the dead child held, and unless the call comes back, its place in
@@ -266,7 +258,7 @@ class ExclusiveRequest(Request):
         process is gone, in threads of their own (the store may be slow to answer)."""
         settings = self.task.exclusive_settings
         for left in held:
-            keep = reaper.kept_after_death(settings, left, comes_back, self._granted_by)
+            keep = reaper.kept_after_death(settings, left, comes_back)
             threading.Thread(
                 target=reaper.release_when_gone,
                 args=(backend, left, self.id),

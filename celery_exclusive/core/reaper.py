@@ -39,6 +39,8 @@ class Left(NamedTuple):
     pid: Optional[int]
     #: Seconds since the store last extended it (its grant or a renewal), if it says.
     extended_ago: Optional[float]
+    #: Seconds until it lapses, if the store says.
+    expires_in: Optional[float]
 
 
 def leases_on_this_host(backend: Backend, key: str, task_id: str, limit: int) -> list[Left]:
@@ -50,45 +52,37 @@ def leases_on_this_host(backend: Backend, key: str, task_id: str, limit: int) ->
         if info.task_id != task_id or info.holder.get("hostname", HOSTNAME) != HOSTNAME:
             continue
         lease = Lease(key, info.owner, info.fencing_token or 0, 0.0, limit)
-        found.append(Left(lease, info.holder.get("pid"), info.renewed_ago))
+        found.append(Left(lease, info.holder.get("pid"), info.renewed_ago, info.expires_in))
     return found
 
 
-def kept_after_death(
-    settings: Settings,
-    left: Left,
-    comes_back: bool,
-    granted_by: Optional[dict[str, float]] = None,
-) -> float:
+def kept_after_death(settings: Settings, left: Left, comes_back: bool) -> float:
     """Seconds the lease of a holder that died is kept rather than freed: a run that
     died is a run that failed (:meth:`~.config.Settings.kept_after`), so under a rate
     its slot stays to a period after its grant, and under ``unique_after="end"`` its
     window follows, unless its call ``comes_back`` (its run is still to come).
 
     The grant's time is not kept; its last extension came at or after it, so the time
-    since then counts as the time since the grant: the slot never ends before a period
-    after the grant, and ends at most a renewal interval later (a full period, where the
-    store cannot say). Once kept, a lease reads back with another ttl than its record
-    says, and its time since the last extension means nothing: a caller that looks at
-    a dead holder's leases twice (Celery frees them as the child exits, and again when
-    it reports the death) passes one ``granted_by`` (owner -> monotonic time by which
-    it was granted) both times, so that the first reading stands."""
+    since then counts as the time since the grant. That holds only while the lease has
+    the ttl its holder record says: one kept already (its run ended and kept it, then
+    its process died; or a look before this one kept it) reads back with less, and the
+    time since its extension reads longer than it is. So a lease that is kept is never
+    kept for less than it has left, up to the longest these settings ever keep one (a
+    lease not kept yet has its ttl left): a slot never ends before a period after its
+    grant, nor later than a period after the worker saw the death. Only a lease with
+    nothing to keep is freed at once."""
     if not settings.keeps_lease:
         return 0.0
-    now = runtime.monotonic()
-    estimate = now - max(0.0, left.extended_ago or 0.0)
-    at = estimate if granted_by is None else granted_by.setdefault(left.lease.owner, estimate)
-    return settings.kept_after(True, now - at, window=not comes_back)
+    since_grant = max(0.0, left.extended_ago or 0.0)
+    keep = settings.kept_after(True, since_grant, window=not comes_back)
+    if keep > 0 or settings.rate is not None:
+        longest = settings.kept_after(True, 0.0, window=not comes_back)
+        keep = max(keep, min(left.expires_in or 0.0, longest))
+    return keep
 
 
 def release_left_by(
-    backend: Backend,
-    key: str,
-    task_id: str,
-    settings: Settings,
-    pid: int,
-    comes_back: bool,
-    granted_by: Optional[dict[str, float]] = None,
+    backend: Backend, key: str, task_id: str, settings: Settings, pid: int, comes_back: bool
 ) -> None:
     """Release what ``task_id`` holds on ``key`` from process ``pid`` of this host, which
     has exited (or keep it: :func:`kept_after_death`). A lease of another process is
@@ -100,7 +94,7 @@ def release_left_by(
         return
     for left in held:
         if left.pid == pid:
-            keep = kept_after_death(settings, left, comes_back, granted_by)
+            keep = kept_after_death(settings, left, comes_back)
             release_when_gone(backend, left, task_id, keep=keep)
 
 

@@ -8,6 +8,7 @@ for, so its pid names no live process of this host.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import time
@@ -81,16 +82,28 @@ def test_a_dead_holders_rate_slot_is_kept_to_a_period_after_its_grant(backend, d
 
 def test_looking_again_at_a_kept_slot_keeps_it_to_the_same_end(backend, dead_pid):
     # As Celery does: the lease is kept as the child exits, and looked at again when
-    # the death is reported, by then with less time left than its ttl.
-    settings, granted_by = resolved(rate="1/1s"), {}
+    # the death is reported, by then with less time left than its ttl says.
+    settings = resolved(rate="1/1s")
     grant_to_dead(backend, dead_pid)
-    reaper.release_left_by(backend, KEY, "t1", settings, dead_pid, False, granted_by)
+    reaper.release_left_by(backend, KEY, "t1", settings, dead_pid, comes_back=False)
     time.sleep(0.2)
     [left] = reaper.leases_on_this_host(backend, KEY, "t1", 1)
-    keep = reaper.kept_after_death(settings, left, False, granted_by)
+    keep = reaper.kept_after_death(settings, left, comes_back=False)
     assert 0.6 < keep < 0.85
     assert reaper.let_go(backend, left, "t1", keep)
     assert not free_for_another(backend)
+
+
+def test_a_slot_its_run_kept_before_its_process_died_is_never_cut(backend, dead_pid):
+    # The run ended and kept its slot for the rest of the period, then its process was
+    # killed before its worker learned of the end.
+    settings = resolved(rate="1/1s")
+    grant_to_dead(backend, dead_pid)
+    [left] = reaper.leases_on_this_host(backend, KEY, "t1", 1)
+    assert not backend.renew([dataclasses.replace(left.lease, ttl=0.9)])  # as keep_for does
+    reaper.release_left_by(backend, KEY, "t1", settings, dead_pid, comes_back=False)
+    [kept] = reaper.leases_on_this_host(backend, KEY, "t1", 1)
+    assert kept.expires_in is not None and kept.expires_in > 0.8
 
 
 def test_a_window_after_every_end_is_kept_unless_the_call_comes_back(backend, dead_pid):

@@ -331,17 +331,16 @@ MUTANTS = [
         "dead-holders-slot-freed",
         "the worker frees the rate slot (or window) of a run whose process died at once",
         "core/reaper.py",
-        "    return settings.kept_after(True, now - at, window=not comes_back)",
-        "    return 0.0 * at",
+        "    if not settings.keeps_lease:\n        return 0.0\n    since_grant",
+        "    if True:\n        return 0.0\n    since_grant",
     ),
     Mutant(
-        "dead-holders-second-look-frees-its-slot",
-        "looking again at a dead holder's kept slot reads its shortened ttl as time since "
-        "its grant, and frees it",
+        "dead-holders-kept-lease-shortened",
+        "the worker keeps a dead holder's lease for what its time since its last extension "
+        "says is left, though the lease was kept already (and reads back with less)",
         "core/reaper.py",
-        "    at = estimate if granted_by is None else granted_by.setdefault("
-        "left.lease.owner, estimate)",
-        "    at = estimate",
+        "        keep = max(keep, min(left.expires_in or 0.0, longest))",
+        "        keep = max(keep, 0.0 * longest)",
     ),
     Mutant(
         "duplicate-of-nobody-skipped",

@@ -113,12 +113,20 @@ FOUND = [
         "rate admitted a run more in the period",
     ),
     (
-        "dead-holders-second-look-frees-its-slot",
+        "dead-holders-kept-lease-shortened",
+        9038,
         6,
+        "a dead holder's lease kept already (its run ended and kept its rate slot, then its "
+        "process was killed; or the worker looked at it before) is never kept for less than "
+        "it has left: read with its shortened ttl, it seemed older than it was, and was cut",
+    ),
+    (
+        "second-replacer-says-it-stopped",
+        8572,
         6,
-        "a dead holder's leases looked at again (Celery frees them as the child exits, and "
-        "again as it reports the death) keep the first look's grant estimate: read again, "
-        "the kept slot's shortened ttl passed for time since its grant, and it was freed",
+        "of two calls replacing one running call at once, the one whose release found the "
+        "grant freed by the other no longer says the run stopped: the call that ran next "
+        "started beside it",
     ),
     (
         "older-change-replaces-a-bursts-newer",

@@ -908,16 +908,16 @@ class World(Traced):
         """Release (or keep, for its window or rate slot) what the dead child held, as
         the worker's main process does once the child is gone: without ``acks_late``,
         twice (as the child exits, as for a call that does not come back; again when
-        Celery reports the death), both looks sharing what the first saw of the grants."""
-        granted_by: dict[str, float] = {}
-        for look in [comes_back] if self.config.acks_late else [False, comes_back]:
+        Celery reports the death); an RQ worker, once."""
+        once = self.config.acks_late or self.config.host == "rq"
+        for look in [comes_back] if once else [False, comes_back]:
             for left in reaper.leases_on_this_host(
                 direct, message.key, message.task_id, self.settings.limit
             ):
                 if left.pid == child.pid:
                     window = self.config.unique_after == "end" and not look
                     self.held_at_death[left.lease.owner] = window
-                    keep = reaper.kept_after_death(self.settings, left, look, granted_by)
+                    keep = reaper.kept_after_death(self.settings, left, look)
                     reaper.let_go(direct, left, message.task_id, keep)
 
     def _replace(self, child: Any) -> None:
