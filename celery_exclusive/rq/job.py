@@ -45,7 +45,7 @@ from ..backends import backend_for_url
 from ..core import config, kill_notes, marks, outcomes, reaper
 from ..core.keys import build_key
 from ..core.lease import HeldLease
-from ..engine import attempt
+from ..engine import attempt, enqueue
 from ..errors import BackendUnavailable, ExclusiveKeyError
 from .calls import admitted, exclusive_options
 from .options import job_timeout, settings_for, within_timeout
@@ -169,10 +169,10 @@ class ExclusiveJob(Job):
         away on its requeue never tells this class; the run its coalesced duplicates
         joined would wait for a later duplicate. Each job of the key looks as it starts
         and as it ends (the holder's end is when the rerun was due), and where RQ says
-        the pending job was canceled, and it does not stand in the key's line (RQ's
-        cancel does not stop a job already running: one waiting in line still runs), a
-        new job of its function takes its place. Never raises: the job goes on, and the
-        next job of the key looks again."""
+        the pending job was canceled, and it is not under way (RQ's cancel does not stop
+        a job already running: one waiting in the key's line, or granted the key as it
+        was canceled, still runs), a new job of its function takes its place. Never
+        raises: the job goes on, and the next job of the key looks again."""
         if settings.on_duplicate != "rerun":
             return
         try:
@@ -182,8 +182,8 @@ class ExclusiveJob(Job):
             status = self.connection.hget(type(self).key_for(pending), "status")
             if status is None or as_text(status) != JobStatus.CANCELED.value:
                 return  # running, queued, or no RQ job of this connection
-            if marks.waiting(backend, key, pending):
-                return
+            if enqueue.under_way(backend, key, pending):
+                return  # waiting in the key's line, or granted the key as it was canceled
             canceled = Job.fetch(pending, connection=self.connection, serializer=self.serializer)
             owed = attempt.owed_rerun(backend, key, pending)
             if owed is not None:
