@@ -126,6 +126,12 @@ class Call:
     #: ``debounce``): it runs if it is still the burst's latest call, else it is covered.
     debounced: bool = False
 
+    def came_before(self, redelivery: bool) -> bool:
+        """Whether an earlier attempt of this call may have held its key: it was
+        requeued, retried, resumed or set aside, or its message may be delivered again
+        (``redelivery``: acks_late). A first delivery never held it."""
+        return bool(self.requeues or self.retries or self.resumed or self.set_aside) or (redelivery)
+
 
 _attempts: ContextVar[tuple[Attempt, ...]] = ContextVar("exclusive_attempts", default=())
 
@@ -354,7 +360,11 @@ class Attempt:
         except LayoutMismatch as exc:
             return self._in_another_layout(exc)
         try:
-            if settings.on_duplicate == "replace" and call.task_id:
+            if (
+                settings.on_duplicate == "replace"
+                and call.task_id
+                and call.came_before(host.redelivery)
+            ):
                 by = marks.call_replaced_by(call.backend, call.key, call.task_id)
                 if by is not None:
                     # A copy or retry of a call a newer one replaced: it ends replaced,

@@ -800,8 +800,22 @@ def test_a_replaced_call_that_comes_again_ends_replaced_rather_than_replace_its_
     key = f"exclusive:{uuid.uuid4().hex[:8]}"
     backend = backend_for_url(memory_url)
     marks.mark_replaced(backend, key, 7, "old", "new", 10.0)
-    again = attempt.Call("t", "old", key, settings, backend)  # a copy, or its retry
+    again = attempt.Call("t", "old", key, settings, backend, retries=1)  # its retry
     assert attempt.run(again, WORKER, pytest.fail) == outcomes.Replaced(key, "new")
+
+
+def test_a_first_delivery_under_replace_reads_no_replaced_mark_before_its_grant(memory_url):
+    # Nothing can have replaced a call that never held its key: the one read its grant
+    # makes (whether a replaced run still goes on) is all that replace adds.
+    settings = Settings(backend_url=memory_url, lease_ttl=5.0, on_duplicate="replace")
+    key = f"exclusive:{uuid.uuid4().hex[:8]}"
+    backend = backend_for_url(memory_url)
+    reads = []
+    original = backend.read_mark
+    backend.read_mark = lambda k, kind, *a: reads.append(kind) or original(k, kind, *a)
+    first = attempt.Call("t", "first", key, settings, backend)
+    assert isinstance(attempt.run(first, WORKER, lambda a, k: None), outcomes.Ran)
+    assert reads.count(marks.REPLACED) == 1
 
 
 def test_a_call_replacing_a_run_another_call_replaced_first_never_says_it_stopped(memory_url):
