@@ -53,6 +53,25 @@ from .file import DatabaseFile, gone
 
 #: How long a writer waits for the database lock before the store counts as unavailable.
 BUSY_TIMEOUT_MS = 10_000
+
+
+def _into_wal(conn: sqlite3.Connection) -> None:
+    """Put the file in WAL mode, as every connection to it asks. Switching a new file
+    takes its lock without the busy handler (SQLite answers "database is locked" at
+    once while another connection holds it): processes and threads opening a new file
+    together try again, within the busy timeout, until one of them switched it (then
+    the statement changes nothing)."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.005)
+
+
 #: wait() polls between these bounds, doubling each time.
 POLL_MIN, POLL_MAX = 0.005, 0.1
 
@@ -119,7 +138,7 @@ class SQLiteBackend(Backend):
         os.makedirs(directory, mode=0o700, exist_ok=True)  # new directories are private
         conn = self.file.connect(self._connect)
         conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-        conn.execute("PRAGMA journal_mode = WAL")
+        _into_wal(conn)
         conn.execute("PRAGMA synchronous = NORMAL")
         self._clock = HostClock(schema.prepare(conn, current_boot()))
         self._local.conn, self._local.pid = conn, os.getpid()
