@@ -355,6 +355,8 @@ class World(Traced):
         self.arrived: dict[str, tuple[float, str, int]] = {}
         #: Calls the worker sends for the runs dead pending reruns owed, as ``arrived``.
         self.owed: dict[str, tuple[float, str, int]] = {}
+        #: A call whose owed run went to a new call -> that call's task id.
+        self.owed_to: dict[str, str] = {}
         self.children: list[Any] = []
         self.running: dict[int, Message] = {}
         self.losses: dict[int, float] = {}
@@ -712,8 +714,10 @@ class World(Traced):
 
     def _check_replaced(self, body: Body) -> None:
         """Under ``replace``, a body starts only once every run its key's newer calls
-        replaced has stopped (unless that run's process is paused, which nothing stops:
-        it finds its deadline passed as it resumes)."""
+        replaced has stopped (unless that run's process was paused during its run, which
+        no bound covers: it finds its deadline passed as it resumes, and stops within its
+        grace of running, as any holder whose lease lapsed while it was paused; its
+        fencing token is the lower one)."""
         if self.config.on_duplicate != "replace" or not isinstance(body.lease, HeldLease):
             return  # a run without a lease (the store down, "run") was said to be one
         for other in self.bodies:
@@ -722,7 +726,7 @@ class World(Traced):
                 other.key != body.key
                 or other.ended is not None
                 or not other.process.alive
-                or other.process.paused
+                or any(end > other.started for _, end in other.process.pauses)
                 or not isinstance(lease, HeldLease)
             ):
                 continue
@@ -883,6 +887,7 @@ class World(Traced):
             as_of=owed.as_of,  # as the host sends it: the change it carries is that old
         )
         self.owed[new.task_id] = (self.scheduler.now, key, version)
+        self.owed_to[message.task_id] = new.task_id
         self.note(f"owed rerun of {message.task_id} goes to {new.task_id}")
         self._send_again(new, 0.0)
 
@@ -1209,13 +1214,21 @@ class World(Traced):
         failed, gave up), or the pending rerun it coalesced into did once it had taken
         the change (granted its key after it joined): then its run started and died
         with it, as any run does, and the error says so. A pending rerun that died
-        before it took the change owes it a run (the worker hands it on)."""
+        before it took the change owes it a run (the worker hands it on), and the new
+        call that run went to is followed the same way."""
         ends = self.ends.get(task_id, [])
         # A call whose process died after it gave up (said in the log first) ends there:
         # the copy delivered again finds the record of its end and is dropped.
         gave_up = any(f"[{task_id}] gives up after" in line for line in self.warnings)
         if gave_up or any(kind in ("lost", "failed", "gave up") for _, kind, _ in ends):
-            return depth == 0 or any(t >= since for t in self.store.grants_of.get(task_id, ()))
+            if depth == 0 or any(t >= since for t in self.store.grants_of.get(task_id, ())):
+                return True
+            handed = self.owed_to.get(task_id)
+            return (
+                handed is not None
+                and depth < 20
+                and (self._failed_on_the_way(handed, since, depth + 1))
+            )
         into = [(when, detail) for when, kind, detail in ends if kind == "coalesced"]
         return depth < 20 and any(self._failed_on_the_way(t, when, depth + 1) for when, t in into)
 
