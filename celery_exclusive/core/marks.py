@@ -480,9 +480,10 @@ def mark_replaced(
     within ``stops_within`` seconds at the latest (its lease's ttl and grace). Runs
     replaced before stay listed: each is waited for, and each learns why it stopped.
 
-    Returns False if another call replaced that grant already (its entry stays as it
-    is: the run ends naming the first call that replaced it): that call frees the
-    grant, and a release of it that finds it gone says nothing of whether it stopped."""
+    Returns False if another call replaced that grant already (the run ends naming the
+    first call that replaced it): that call frees the grant, and a release of it that
+    finds it gone says nothing of whether it stopped. Either way the bound on when the
+    run stops counts from now at the earliest: the grant is freed after this."""
     now = backend.store_time()
     first = True
     entry = {
@@ -497,8 +498,14 @@ def mark_replaced(
     def listed(current: Optional[str]) -> str:
         nonlocal first
         kept = [e for e in _replaced(current) if e["until"] + REPLACED_MEMORY > now]
-        first = all(e["token"] != token for e in kept)
-        return json.dumps([*kept, entry] if first else kept)
+        earlier = next((e for e in kept if e["token"] == token), None)
+        if earlier is None:
+            first = True
+            return json.dumps([*kept, entry])
+        first = earlier["by"] == by  # this call's own earlier try
+        earlier["until"] = max(earlier["until"], entry["until"])
+        earlier["within"] = max(earlier["within"], stops_within)
+        return json.dumps(kept)
 
     _swap(backend, key, REPLACED, listed, stops_within + REPLACED_MEMORY)
     return first
