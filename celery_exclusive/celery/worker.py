@@ -51,6 +51,11 @@ class ExclusiveRequest(Request):
     itself.
     """
 
+    def _exclusive_key(self) -> str:
+        """The lease key of this call, from its message's arguments (raises TypeError
+        for arguments that never bound, ExclusiveError for a key that cannot be built)."""
+        return self.task.exclusive_key_for(tuple(self.args or ()), dict(self.kwargs or {}))
+
     def on_accepted(self, pid: int, time_accepted: float) -> None:
         super().on_accepted(pid, time_accepted)
         # Not for acks_late: Celery's report first records that the attempt ended (a
@@ -89,7 +94,7 @@ class ExclusiveRequest(Request):
         the copy expired or revoked here): then the call is not over."""
         task = self.task
         try:
-            key = task.exclusive_key_for(tuple(self.args or ()), dict(self.kwargs or {}))
+            key = self._exclusive_key()
             if enqueue.under_way(task.exclusive_backend, key, self.id):
                 return
         except (ExclusiveError, TypeError) as exc:  # TypeError: arguments that never bound
@@ -135,7 +140,7 @@ class ExclusiveRequest(Request):
             return False
         request = self._context
         try:
-            key = task.exclusive_key_for(tuple(self.args or ()), dict(self.kwargs or {}))
+            key = self._exclusive_key()
             outcome = attempt.rerun_of_killed(
                 task.exclusive_settings,
                 key,
@@ -192,7 +197,7 @@ class ExclusiveRequest(Request):
         task = self.task
         settings = task.exclusive_settings
         try:
-            key = task.exclusive_key_for(tuple(self.args or ()), dict(self.kwargs or {}))
+            key = self._exclusive_key()
             backend = task.exclusive_backend
         except (ExclusiveError, TypeError) as exc:  # TypeError: arguments that never bound
             logger.warning("could not free the lease of lost task %s: %s", self.id, exc)
@@ -215,7 +220,7 @@ class ExclusiveRequest(Request):
         if not is_exclusive_task(task):
             return
         try:
-            key = task.exclusive_key_for(tuple(self.args or ()), dict(self.kwargs or {}))
+            key = self._exclusive_key()
             backend = task.exclusive_backend
             held = reaper.leases_on_this_host(backend, key, self.id, task.exclusive_settings.limit)
             if not comes_back:
@@ -245,7 +250,7 @@ class ExclusiveRequest(Request):
         run is still to come), but for a rate's slot."""
         task = self.task
         try:
-            key = task.exclusive_key_for(tuple(self.args or ()), dict(self.kwargs or {}))
+            key = self._exclusive_key()
             backend = task.exclusive_backend
             held = reaper.leases_on_this_host(backend, key, self.id, task.exclusive_settings.limit)
         except (ExclusiveError, TypeError) as exc:  # TypeError: arguments that never bound

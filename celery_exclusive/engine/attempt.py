@@ -130,7 +130,7 @@ class Call:
         """Whether an earlier attempt of this call may have held its key: it was
         requeued, retried, resumed or set aside, or its message may be delivered again
         (``redelivery``: acks_late). A first delivery never held it."""
-        return bool(self.requeues or self.retries or self.resumed or self.set_aside) or (redelivery)
+        return redelivery or bool(self.requeues or self.retries or self.resumed or self.set_aside)
 
 
 _attempts: ContextVar[tuple[Attempt, ...]] = ContextVar("exclusive_attempts", default=())
