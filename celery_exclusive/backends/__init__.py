@@ -75,7 +75,9 @@ def _declared() -> tuple[dict[str, str], dict[str, str]]:
 SCHEMES, _EXTRAS = _declared()
 
 _instances: dict[tuple[int, str], Backend] = {}
-_instances_lock = threading.Lock()
+#: A lock per process: a child forked while a thread of its parent loaded a backend
+#: would find the parent's lock copied held, for good.
+_loading: dict[int, threading.Lock] = {}
 
 
 def register_scheme(scheme: str, target: str, extra: Optional[str] = None) -> None:
@@ -96,10 +98,11 @@ def backend_for_url(url: str) -> Backend:
     Keyed by pid as well: a forked worker child must open its own connections
     rather than share its parent's sockets.
     """
-    cache_key = (os.getpid(), url)
+    pid = os.getpid()
+    cache_key = (pid, url)
     backend = _instances.get(cache_key)
     if backend is None:
-        with _instances_lock:
+        with _loading.setdefault(pid, threading.Lock()):
             backend = _instances.get(cache_key)
             if backend is None:
                 backend = _instances[cache_key] = _load(url)

@@ -4,7 +4,7 @@ child, a work horse) gets a fresh one rather than its parent's, whose thread is 
 
 from __future__ import annotations
 
-from typing import Callable, Generic, Optional, TypeVar
+from typing import Any, Callable, Generic, Optional, TypeVar
 
 from .. import runtime
 
@@ -21,13 +21,15 @@ class PerProcess(Generic[T]):
     def __init__(self, make: Callable[[], T]) -> None:
         self._make = make
         self._made: dict[int, T] = {}
-        self._lock = runtime.Lock()
+        #: One lock per process too: a child forked while a thread of its parent made
+        #: the parent's object would find the parent's lock copied held, for good.
+        self._locks: dict[int, Any] = {}
 
     def __call__(self) -> T:
         pid = runtime.getpid()
         made = self._made.get(pid)
         if made is None:
-            with self._lock:
+            with self._locks.setdefault(pid, runtime.Lock()):
                 made = self._made.get(pid)
                 if made is None:
                     made = self._made[pid] = self._make()
@@ -40,3 +42,4 @@ class PerProcess(Generic[T]):
     def forget(self) -> None:
         """Drop every process's object (the simulation, between two schedules)."""
         self._made.clear()
+        self._locks.clear()

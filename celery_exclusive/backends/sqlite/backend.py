@@ -20,13 +20,14 @@ file this user cannot write, cannot open, or that is not a database is a
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
@@ -50,6 +51,7 @@ from ..line import LINE, admit, first_in_line
 from . import schema
 from .clock import HostClock, current_boot
 from .file import DatabaseFile, gone
+from .forks import GATE, GatedConnection
 
 #: How long a writer waits for the database lock before the store counts as unavailable.
 BUSY_TIMEOUT_MS = 10_000
@@ -147,7 +149,12 @@ class SQLiteBackend(Backend):
     @staticmethod
     def _connect(target: str, uri: bool) -> sqlite3.Connection:
         return sqlite3.connect(
-            target, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, uri=uri
+            target,
+            timeout=BUSY_TIMEOUT_MS / 1000,
+            isolation_level=None,
+            uri=uri,
+            factory=GatedConnection,
+            check_same_thread=False,  # one thread's own, but closed in another as it ends
         )
 
     def _now(self) -> float:
@@ -164,15 +171,22 @@ class SQLiteBackend(Backend):
         return now + ttl + self._clock.resolution
 
     def store_time(self) -> float:
-        try:
+        with self._using("reading the clock"):
             return self._now()
-        except (sqlite3.Error, OSError) as exc:
-            raise self.failure("reading the clock", exc) from None
+
+    @contextlib.contextmanager
+    def _using(self, action: str) -> Iterator[sqlite3.Connection]:
+        """This thread's connection, used inside the fork gate (:mod:`.forks`), its
+        errors translated (:meth:`failure`) with ``action`` saying what failed."""
+        with GATE.passage():
+            try:
+                yield self._connection()
+            except (sqlite3.Error, OSError) as exc:
+                raise self.failure(action, exc) from None
 
     def _write(self, action: str, work):
         """Run ``work(conn)`` inside BEGIN IMMEDIATE ... COMMIT."""
-        try:
-            conn = self._connection()
+        with self._using(action) as conn:
             conn.execute("BEGIN IMMEDIATE")
             try:
                 result = work(conn)
@@ -181,8 +195,6 @@ class SQLiteBackend(Backend):
                 raise
             conn.execute("COMMIT")
             return result
-        except (sqlite3.Error, OSError) as exc:
-            raise self.failure(action, exc) from None
 
     def failure(self, action: str, exc: BaseException) -> Exception:
         """The one error a ``sqlite3`` or OS error becomes: permanent or transient."""
@@ -360,8 +372,7 @@ class SQLiteBackend(Backend):
 
     def _free_for(self, key: str, claimant: Optional[str]) -> bool:
         """Whether ``claimant`` would find a free slot and be first in line."""
-        try:
-            conn = self._connection()
+        with self._using(f"reading {key!r}") as conn:
             now = self._now()
             limits = [
                 r[0]
@@ -373,8 +384,6 @@ class SQLiteBackend(Backend):
             if limits and len(limits) >= min(limits):
                 return False
             return first_in_line(_live_mark(conn, key, LINE, now), claimant, now)
-        except (sqlite3.Error, OSError) as exc:
-            raise self.failure(f"reading {key!r}", exc) from None
 
     def wait(self, key: str, timeout: float, claimant: Optional[str] = None) -> None:
         deadline = time.monotonic() + timeout
@@ -397,16 +406,13 @@ class SQLiteBackend(Backend):
         return self._holders("key = ?", key, f"reading {key!r}")
 
     def _holders(self, where: str, value: str, action: str) -> list[LeaseInfo]:
-        try:
-            conn = self._connection()
+        with self._using(action) as conn:
             now = self._now()
             rows = conn.execute(
                 "SELECT key, owner, fencing_token, expires_at, holder FROM exclusive_leases "
                 f"WHERE {where} AND expires_at > ? ORDER BY key, fencing_token",
                 (value, now),
             ).fetchall()
-        except (sqlite3.Error, OSError) as exc:
-            raise self.failure(action, exc) from None
         assert self._clock is not None
         now += self._clock.resolution  # what a holder was granted, without _expiry's margin
         return [
@@ -424,11 +430,6 @@ class SQLiteBackend(Backend):
         # One statement: the page's keys (one more, to know whether a page follows),
         # their live rows and the marks asked for. Keys at or after ``prefix`` that do
         # not start with it sort after every key that does: the page ends there.
-        try:
-            conn = self._connection()
-            now = self._now()
-        except (sqlite3.Error, OSError) as exc:
-            raise self.failure(f"listing holders under {prefix!r}", exc) from None
         marks = "".join(
             ", (SELECT value FROM exclusive_marks m WHERE m.key = l.key AND m.kind = ? "
             "AND m.expires_at > ?)"
@@ -442,12 +443,11 @@ class SQLiteBackend(Backend):
             "FROM page JOIN exclusive_leases l ON l.key = page.key AND l.expires_at > ? "
             "ORDER BY l.key, fencing_token"
         )
-        args: list[Any] = [prefix, cursor, cursor, now, count + 1]
-        args += [arg for kind in kinds for arg in (kind, now)] + [now]
-        try:
+        with self._using(f"listing holders under {prefix!r}") as conn:
+            now = self._now()
+            args: list[Any] = [prefix, cursor, cursor, now, count + 1]
+            args += [arg for kind in kinds for arg in (kind, now)] + [now]
             rows = conn.execute(query, args).fetchall()
-        except (sqlite3.Error, OSError) as exc:
-            raise self.failure(f"listing holders under {prefix!r}", exc) from None
         assert self._clock is not None
         live = now + self._clock.resolution  # what a holder was granted, without the margin
         return page_of(
@@ -476,17 +476,11 @@ class SQLiteBackend(Backend):
 
     @round_trip("sqlite")
     def read_record(self, lease_key: str, name: str) -> Optional[str]:
-        try:
-            row = (
-                self._connection()
-                .execute(
-                    "SELECT value FROM exclusive_records WHERE lease_key = ? AND name = ?",
-                    (lease_key, name),
-                )
-                .fetchone()
-            )
-        except (sqlite3.Error, OSError) as exc:
-            raise self.failure(f"reading the record {name!r} of {lease_key!r}", exc) from None
+        with self._using(f"reading the record {name!r} of {lease_key!r}") as conn:
+            row = conn.execute(
+                "SELECT value FROM exclusive_records WHERE lease_key = ? AND name = ?",
+                (lease_key, name),
+            ).fetchone()
         return None if row is None else row[0]
 
     @round_trip("sqlite")
@@ -508,10 +502,8 @@ class SQLiteBackend(Backend):
 
     @round_trip("sqlite")
     def read_mark(self, key: str, kind: str) -> Optional[str]:
-        try:
-            return _live_mark(self._connection(), key, kind, self._now())
-        except (sqlite3.Error, OSError) as exc:
-            raise self.failure(f"reading the {kind} mark of {key!r}", exc) from None
+        with self._using(f"reading the {kind} mark of {key!r}") as conn:
+            return _live_mark(conn, key, kind, self._now())
 
     @round_trip("sqlite")
     def swap_mark(
@@ -529,7 +521,8 @@ class SQLiteBackend(Backend):
     def close(self) -> None:
         conn = getattr(self._local, "conn", None)
         if conn is not None and self._local.pid == os.getpid():
-            conn.close()
+            with GATE.passage():
+                conn.close()
         self._local = threading.local()
 
 
