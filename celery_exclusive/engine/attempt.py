@@ -33,6 +33,7 @@ from ..core.lease import HeldLease, UnlockedLease
 from ..core.outcomes import Outcome
 from ..core.policies import Granted
 from ..errors import BackendUnavailable, ExclusiveError, LayoutMismatch, LeaseLost
+from . import enqueue
 from .arguments import decode_call, encode_call
 
 logger = logging.getLogger("celery_exclusive")
@@ -263,6 +264,8 @@ class Attempt:
         if not isinstance(granted, Granted):
             return granted
         self.arguments = granted.arguments
+        if isinstance(granted.lease, HeldLease) and granted.lease.lost:
+            return self._lost_before_the_body(granted)
         call = self.call
         args, kwargs = (
             (call.args, call.kwargs)
@@ -412,11 +415,15 @@ class Attempt:
                 if isinstance(taken, outcomes.Coalesced):
                     return taken
                 claimed = taken
-            elif burst is not None and not burst.taken:
+            elif (
+                burst is not None
+                and not burst.taken
+                and not isinstance(claimed, (outcomes.SetAside, outcomes.Dropped))
+            ):
                 # Refused: the holder may be the call that took its burst meanwhile.
                 again = debounce.turn(call.backend, call.key, call.task_id or "")
                 if again.covered_by is not None:
-                    return self._covered(again.covered_by)
+                    return self._covered_unless_under_way(again.covered_by)
             if isinstance(claimed, Granted):
                 if claimed.finished_read:
                     # What the end of the attempt swaps the finished mark from.
@@ -442,7 +449,9 @@ class Attempt:
 
     def _debounce(
         self,
-    ) -> Union[outcomes.Requeue, outcomes.Coalesced, outcomes.Dropped, debounce.Turn]:
+    ) -> Union[
+        outcomes.Requeue, outcomes.Coalesced, outcomes.SetAside, outcomes.Dropped, debounce.Turn
+    ]:
         """Under ``debounce``: a call arriving makes its arguments its key's burst's and
         goes back to the queue until the burst is due; one coming back waits on if a
         later call moved the burst on, ends covered by the run of the call that took
@@ -480,7 +489,7 @@ class Attempt:
                     call.key, turn.wait, reason, "debounce", call.requeues, as_of=self.as_of
                 )
         if turn.covered_by is not None:
-            return self._covered(turn.covered_by)
+            return self._covered_unless_under_way(turn.covered_by)
         if turn.wait > 0:
             return outcomes.Requeue(
                 call.key, turn.wait, reason, "debounce", call.requeues, as_of=self.as_of
@@ -502,6 +511,23 @@ class Attempt:
         if turn.arguments is None:
             return granted
         return dataclasses.replace(granted, arguments=turn.arguments)
+
+    def _covered_unless_under_way(
+        self, run_by: str
+    ) -> Union[outcomes.Coalesced, outcomes.SetAside]:
+        """Covered by the run of ``run_by``; but a copy of a call a delivery of which
+        holds the key or waits for it now is set aside, as the claim sets one aside: that
+        delivery runs the call (a burst taken by it, then a newer burst taken by
+        another, would otherwise end the call twice: covered here, and run there)."""
+        call = self.call
+        if (
+            self.host.redelivery
+            and call.task_id
+            and enqueue.under_way(call.backend, call.key, call.task_id)
+        ):
+            countdown = policies.requeue_delay(call.settings, call.requeues)
+            return outcomes.SetAside(call.key, countdown, call.requeues + 1, as_of=self.as_of)
+        return self._covered(run_by)
 
     def _covered(self, run_by: str) -> outcomes.Coalesced:
         self._drop_resume()
@@ -725,6 +751,20 @@ class Attempt:
         return _Holding(self, lease)
 
     # --- a body stopped by the loss of its lease ----------------------------------------------
+
+    def _lost_before_the_body(self, granted: Granted) -> Outcome:
+        """The grant lapsed before the body started (its process paused after the claim,
+        past the lease's ttl): another call may hold the key, or its window, now. The
+        body does not start under a lease known lost, whatever ``on_lease_lost`` says
+        of a body that runs; the call is sent again, with the arguments it would have
+        run (nothing ran), or, with no queue to send it to, fails with LeaseLost."""
+        lease = granted.lease
+        self.lease = lease
+        self.finish(ended=False)
+        if not self.host.can_requeue:
+            lease.ensure_held()  # raises LeaseLost, naming its cause
+        requeue = self._requeue_lost(lease, granted.arguments)
+        return self._requeue(requeue)  # up to requeue_max_retries, as any requeue
 
     def _requeues_lost(self) -> bool:
         """Whether a body stopped by the loss of its lease is sent again (``requeue_lost``),

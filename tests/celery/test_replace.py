@@ -60,3 +60,32 @@ def test_calls_in_turn_each_replace_the_one_before_and_the_last_runs(cluster):
     for before, after in zip(calls, calls[1:]):
         with pytest.raises(DuplicateReplaced, match=after.id):
             before.get(timeout=30)
+
+
+def test_two_calls_replacing_one_run_at_once_run_neither_beside_it_nor_beside_each_other(
+    cluster,
+):
+    running = kept.replacing.delay("catalog", 60)
+    assert wait_until(lambda: cluster.holders("catalog"), timeout=30)
+    newer = [kept.replacing.delay("catalog", 1.0) for _ in range(2)]
+    ran, replaced_by = [], {}
+    for call in newer:
+        try:
+            ran.append(call.get(timeout=60)["task_id"])
+        except DuplicateReplaced as exc:
+            replaced_by[call.id] = exc.holder_task_id
+    with pytest.raises(DuplicateReplaced) as stopped:
+        running.get(timeout=30)
+    # Each call ended once: the run stopped for a newer call, each newer call ran or was
+    # replaced in turn by the other; the last one ran.
+    ids = [call.id for call in newer]
+    assert stopped.value.holder_task_id in ids
+    assert ran and sorted(ran + list(replaced_by)) == sorted(ids)
+    assert all(by in ids and by != call for call, by in replaced_by.items())
+    # No body ran beside another, the stopped ones included, nor twice.
+    bodies = [json.loads(raw) for raw in cluster.ledger.lrange("stops", 0, -1)]
+    bodies.sort(key=lambda stop: stop["start"])
+    ran_bodies = [body["task_id"] for body in bodies]
+    assert len(ran_bodies) == len(set(ran_bodies)) and {running.id, *ran} <= set(ran_bodies)
+    for before, after in zip(bodies, bodies[1:]):
+        assert after["start"] >= before["end"], (before, after)

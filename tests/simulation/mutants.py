@@ -395,6 +395,20 @@ MUTANTS = [
         "        return None\n",
     ),
     Mutant(
+        "body-starts-on-a-lost-grant",
+        "a body starts under a grant that lapsed after the claim, before the body",
+        "engine/attempt.py",
+        "        if isinstance(granted.lease, HeldLease) and granted.lease.lost:",
+        "        if False:",
+    ),
+    Mutant(
+        "covered-copy-of-a-running-call",
+        "a copy of a debounced call whose own delivery runs ends covered by a newer burst",
+        "engine/attempt.py",
+        "            return self._covered_unless_under_way(turn.covered_by)",
+        "            return self._covered(turn.covered_by)",
+    ),
+    Mutant(
         "beat-admits-every-tick",
         "the leader sends what its scheduler says is due, whatever the record shows",
         "beat/scheduler.py",

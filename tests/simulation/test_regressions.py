@@ -164,6 +164,22 @@ FOUND = [
         "never refused at enqueue: it goes on, taking the enqueue mark only if free",
     ),
     (
+        "body-starts-on-a-lost-grant",
+        34683,
+        6,
+        "a call whose grant lapsed before its body started (its process paused after the "
+        "claim) is sent again rather than run: under on_lease_lost='log' the body started "
+        "in the window of the run that took the key meanwhile",
+    ),
+    (
+        "covered-copy-of-a-running-call",
+        18827,
+        6,
+        "a copy of a debounced call delivered again while its first delivery runs the "
+        "burst it took is set aside, not ended covered by the next burst's run: the call "
+        "ended twice, covered and run",
+    ),
+    (
         "beat-sends-after-its-lease-lapsed",
         208,
         "beat",
