@@ -473,7 +473,13 @@ REPLACED_MEMORY = 3600.0
 
 
 def mark_replaced(
-    backend: Backend, key: str, token: int, task_id: str, by: str, stops_within: float
+    backend: Backend,
+    key: str,
+    token: int,
+    task_id: str,
+    by: str,
+    stops_within: float,
+    freed: bool = False,
 ) -> bool:
     """Say that the call ``by`` replaces the grant of ``key`` with fencing token
     ``token``, of the call ``task_id`` (before it frees that grant), whose run stops
@@ -482,8 +488,14 @@ def mark_replaced(
 
     Returns False if another call replaced that grant already (the run ends naming the
     first call that replaced it): that call frees the grant, and a release of it that
-    finds it gone says nothing of whether it stopped. Either way the bound on when the
-    run stops counts from now at the earliest: the grant is freed after this."""
+    finds it gone says nothing of whether it stopped.
+
+    The bound on when the run stops counts from when its grant was freed, which only
+    the call that freed it knows (after its release answered): it says so with
+    ``freed`` once it did, and the bound then counts from now. Until then the entry is
+    not ``freed``, and a call granted the key counts the bound from its own grant,
+    which came after the release however late that was (its request held up, or sent
+    again): the run may have renewed its grant until the release."""
     now = backend.store_time()
     first = True
     entry = {
@@ -493,6 +505,7 @@ def mark_replaced(
         "stopped": False,
         "until": now + stops_within,
         "within": stops_within,
+        "freed": freed,
     }
 
     def listed(current: Optional[str]) -> str:
@@ -505,6 +518,7 @@ def mark_replaced(
         first = earlier["by"] == by  # this call's own earlier try
         earlier["until"] = max(earlier["until"], entry["until"])
         earlier["within"] = max(earlier["within"], stops_within)
+        earlier["freed"] = earlier.get("freed", True) or freed
         return json.dumps(kept)
 
     _swap(backend, key, REPLACED, listed, stops_within + REPLACED_MEMORY)
@@ -553,7 +567,12 @@ def replaced_runs_left(backend: Backend, key: str, own_token: int) -> dict[int, 
     if not entries:
         return {}
     now = backend.store_time()
-    left = {e["token"]: min(e["until"] - now, e["within"]) for e in entries}
+    # Not freed yet by its replacing call's word: from now, the bound's latest start.
+    # (An entry written before entries said so counts as freed.)
+    left = {
+        e["token"]: min(e["until"] - now, e["within"]) if e.get("freed", True) else e["within"]
+        for e in entries
+    }
     return {token: seconds for token, seconds in left.items() if seconds > 0}
 
 

@@ -169,7 +169,11 @@ def replace_running(duplicate: Duplicate) -> Claimed:
     ttl = ttl if isinstance(ttl, (int, float)) and ttl > 0 else settings.lease_ttl
     stops_within = max(ttl, settings.lease_ttl) + settings.terminate_grace
     first = marks.mark_replaced(d.backend, d.key, token, d.holder, d.task_id, stops_within)
-    if d.backend.release(Lease(d.key, replaced.owner, token, 0.0, 1)) is False and first:
+    released = d.backend.release(Lease(d.key, replaced.owner, token, 0.0, 1))
+    # The grant is freed (by this release, or another's before it): the bound on the
+    # run's stop counts from now (marks.mark_replaced says why).
+    marks.mark_replaced(d.backend, d.key, token, d.holder, d.task_id, stops_within, freed=True)
+    if released is False and first:
         marks.note_stopped(d.backend, d.key, token)  # it ended as it was replaced
     lease = _try(settings, d.backend, d.key, d.name, d.task_id, d.task_id)
     if lease is None:

@@ -384,8 +384,16 @@ MUTANTS = [
         "a call whose release of a run another call replaced first finds it freed, and "
         "says the run stopped",
         "core/policies.py",
-        "1)) is False and first:",
-        "1)) is False:",
+        "    if released is False and first:",
+        "    if released is False:",
+    ),
+    Mutant(
+        "replaced-bound-from-the-mark",
+        "a replaced run's stop is bounded from when its replacing call marked it, not from "
+        "when its grant was freed",
+        "core/marks.py",
+        'if e.get("freed", True) else e["within"]',
+        'if True else e["within"]',
     ),
     Mutant(
         "replaced-run-sent-again",

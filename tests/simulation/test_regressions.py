@@ -164,6 +164,14 @@ FOUND = [
         "never refused at enqueue: it goes on, taking the enqueue mark only if free",
     ),
     (
+        "replaced-bound-from-the-mark",
+        36649,
+        6,
+        "the bound on a replaced run's stop counts from when its grant was freed: counted "
+        "from the mark, a release held up (its request lost and sent again) let a later "
+        "call start beside the run, which had renewed its grant until then",
+    ),
+    (
         "body-starts-on-a-lost-grant",
         34683,
         6,
