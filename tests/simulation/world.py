@@ -431,8 +431,9 @@ class World(Traced):
                 library.propagate = propagate
                 signals.lease_lost.disconnect(receiver)
                 memory_module._stores.pop(name, None)
-        for per_process in (heartbeat, keeper, feed, running_stoppers):
-            per_process.forget()
+                # Also after a violation: the next schedule's processes reuse these pids.
+                for per_process in (heartbeat, keeper, feed, running_stoppers):
+                    per_process.forget()
 
     def _plan(self) -> None:
         config, rng, scheduler = self.config, self.rng, self.scheduler
