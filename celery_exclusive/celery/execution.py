@@ -53,6 +53,9 @@ AS_OF_HEADER = "exclusive_as_of"
 #: Message header of a call sent again under ``debounce``: it joined its key's burst,
 #: and runs when it comes back if it is still the burst's latest call.
 DEBOUNCED_HEADER = "exclusive_debounced"
+#: Message header of a call carrying the run a pending rerun owed its duplicates: the
+#: task id of that pending rerun (``attempt.Call.owed_by``).
+OWED_BY_HEADER = "exclusive_owed_by"
 
 #: The broker's visibility timeout when ``broker_transport_options`` sets none
 #: (kombu's Redis and SQS transports: one hour).
@@ -162,6 +165,7 @@ def _call_exclusive(
         set_aside=bool(_header(request, SET_ASIDE_HEADER, False)),
         as_of=stamp_of(request),
         debounced=bool(_header(request, DEBOUNCED_HEADER, False)),
+        owed_by=_owed_by(request),
     )
     outcome = attempt.run(the_call, host_of(task, request, settings), lambda a, k: body(*a, **k))
     handler = CeleryOutcomes(task)
@@ -470,6 +474,8 @@ def send_owed_run(task: Any, task_id: Optional[str], owed: outcomes.OwedRun, why
     headers: dict[str, Any] = {}
     if owed.as_of is not None:
         headers[AS_OF_HEADER] = owed.as_of
+    if task_id:
+        headers[OWED_BY_HEADER] = task_id
     with enqueue.going_on():
         sent = task.apply_async(owed.args, owed.kwargs, headers=headers)
     logger.warning(
@@ -515,6 +521,12 @@ def stamp_of(request: Any) -> Optional[float]:
     """The call's :data:`AS_OF_HEADER`, if it has a readable one."""
     value = _header(request, AS_OF_HEADER, None)
     return float(value) if isinstance(value, (int, float)) else None
+
+
+def _owed_by(request: Any) -> Optional[str]:
+    """The call's :data:`OWED_BY_HEADER`, if it has a readable one."""
+    value = _header(request, OWED_BY_HEADER, None)
+    return value if isinstance(value, str) else None
 
 
 def _header(request: Any, name: str, default: Any) -> Any:

@@ -76,6 +76,7 @@ def join_rerun(
     ttl: float,
     latest: bool = True,
     alive_for: Optional[float] = None,
+    gone: Optional[str] = None,
 ) -> str:
     """Make ``task_id`` the pending rerun of ``key``, or join the one already pending.
 
@@ -91,6 +92,9 @@ def join_rerun(
     ever run for the duplicates joining it. The caller takes its place instead.
     ``alive_for`` (default: ``ttl``) is how long the pending task counts as alive
     from now without standing in the key's line: it gets there within moments.
+    ``gone``: a task the caller knows is no longer pending, whatever the mark says (it
+    handed the caller the run it owed, and the answer to its take of the mark was
+    lost, so the mark may still name it): its place is taken as a dead one's.
     """
     grace = ttl if alive_for is None else alive_for
 
@@ -98,7 +102,8 @@ def join_rerun(
         now = backend.store_time()
         pending = _pending(current)
         if pending is None or (
-            pending["task_id"] != task_id and not _alive(backend, key, pending, now)
+            pending["task_id"] != task_id
+            and (pending["task_id"] == gone or not _alive(backend, key, pending, now))
         ):
             # A dead pending rerun's run is owed to its duplicates: its place goes to
             # this caller, with the newer of the two changes (a run with it covers both).

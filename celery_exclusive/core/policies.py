@@ -70,6 +70,9 @@ class Duplicate:
     redelivery: bool
     retries: int
     resumed: bool
+    #: The pending rerun that handed this call the run it owed (it died or gave up):
+    #: never joined, whatever the rerun mark still says of it.
+    owed_by: Optional[str] = None
 
     def requeued(self) -> Requeue:
         """Go back to the queue for a while; the engine decides whether it can."""
@@ -129,6 +132,7 @@ def rerun(duplicate: Duplicate) -> Claimed:
         _pending_ttl(settings),
         latest=settings.rerun_args == "latest",
         alive_for=settings.lease_ttl,
+        gone=d.owed_by,
     )
     if pending != d.task_id:
         return Coalesced(d.key, pending)
@@ -245,11 +249,13 @@ def claim(
     retries: int = 0,
     resumed: bool = False,
     noun: str = "task",
+    owed_by: Optional[str] = None,
 ) -> Claimed:
     """Take ``key`` or decide what the duplicate gets under ``settings.on_duplicate``
     (:data:`STRATEGIES`), or under ``priority``: it waits in line ahead of the rest.
 
-    ``arguments`` (JSON) is what a ``rerun`` duplicate hands to the pending rerun.
+    ``arguments`` (JSON) is what a ``rerun`` duplicate hands to the pending rerun;
+    ``owed_by``, the pending rerun that handed this call its run, which it never joins.
     With ``redelivery`` (a broker may deliver this call's message twice), a call whose
     own ``task_id`` holds the key is :class:`~.outcomes.SetAside`, and one whose attempt
     ``retries`` already ended is :class:`~.outcomes.Dropped` (see :func:`marks.ended`),
@@ -333,6 +339,7 @@ def claim(
         redelivery,
         retries,
         resumed,
+        owed_by,
     )
     if settings.priority and task_id:
         _detected(name, key, task_id, "priority", holder)

@@ -126,6 +126,10 @@ class Call:
     #: Whether the call joined its key's burst already and comes back from it (under
     #: ``debounce``): it runs if it is still the burst's latest call, else it is covered.
     debounced: bool = False
+    #: The pending rerun whose owed run this call carries (it died or gave up and
+    #: handed the run on, :class:`~celery_exclusive.core.outcomes.OwedRun`): the call
+    #: never joins it.
+    owed_by: Optional[str] = None
 
     def came_before(self, redelivery: bool) -> bool:
         """Whether an earlier attempt of this call may have held its key: it was
@@ -409,6 +413,7 @@ class Attempt:
                 retries=call.retries,
                 resumed=call.resumed,
                 noun=host.noun,
+                owed_by=call.owed_by,
             )
             if isinstance(claimed, Granted) and burst is not None:
                 taken = self._take_burst(claimed, burst)

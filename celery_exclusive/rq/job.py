@@ -143,6 +143,7 @@ class ExclusiveJob(Job):
             resumed=self._retrying(),
             as_of=self._exclusive_as_of(),
             debounced=self._exclusive_meta().get("debounced") is True,
+            owed_by=self._exclusive_owed_by(),
         )
         synchronous = self._synchronous
         host = attempt.Host(
@@ -280,6 +281,12 @@ class ExclusiveJob(Job):
         earlier attempt stamped it (``attempt.Call.as_of``)."""
         stamp = self._exclusive_meta().get("as_of")
         return float(stamp) if isinstance(stamp, (int, float)) else None
+
+    def _exclusive_owed_by(self) -> Optional[str]:
+        """The pending rerun whose owed run this job carries, if it is such a job
+        (``attempt.Call.owed_by``)."""
+        owed_by = self._exclusive_meta().get("owed_by")
+        return owed_by if isinstance(owed_by, str) else None
 
     def _retrying(self) -> bool:
         """Whether an earlier attempt of this job got its lease and started the body

@@ -62,6 +62,17 @@ def test_a_duplicate_takes_the_place_of_a_pending_rerun_that_is_no_longer_alive(
     assert marks.take_rerun(store, "k", "next") == "a2"
 
 
+def test_the_carrier_of_an_owed_run_takes_the_place_of_the_pending_rerun_that_owed_it(
+    store,
+):
+    # The pending rerun handed its run on, but the store missed its take of the mark:
+    # the mark still names it, alive for a while.
+    marks.join_rerun(store, "k", "gave-up", "a1", 10)
+    assert marks.join_rerun(store, "k", "carrier", "a1", 10, gone="gave-up") == "carrier"
+    assert marks.join_rerun(store, "k", "later", "a2", 10) == "carrier"
+    assert marks.take_rerun(store, "k", "carrier") == "a2"
+
+
 def test_a_pending_rerun_standing_in_line_stays_pending(store):
     marks.join_rerun(store, "k", "waiting", "a1", 10, alive_for=ALIVE_FOR)
     marks.take_place(store, "k", "waiting", 10)

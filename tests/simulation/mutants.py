@@ -396,6 +396,14 @@ MUTANTS = [
         'if True else e["within"]',
     ),
     Mutant(
+        "owed-run-joins-its-giver",
+        "a call carrying the run a pending rerun owed joins that pending rerun, which the "
+        "mark still names when the answer to its take was lost",
+        "core/policies.py",
+        "        gone=d.owed_by,",
+        "        gone=None,",
+    ),
+    Mutant(
         "replaced-run-sent-again",
         "a run a newer call replaced is sent again as a run that lost its lease, not ended",
         "engine/attempt.py",

@@ -172,6 +172,14 @@ FOUND = [
         "call start beside the run, which had renewed its grant until then",
     ),
     (
+        "owed-run-joins-its-giver",
+        47135,
+        6,
+        "a call carrying the run a pending rerun owed (it gave up, and the answer to its "
+        "take of the rerun mark was lost) never joins that pending rerun: it coalesced "
+        "into it, and the change it carried was lost",
+    ),
+    (
         "body-starts-on-a-lost-grant",
         34683,
         6,

@@ -282,6 +282,8 @@ class Message:
     retry_at: Optional[int] = None
     #: The DEBOUNCED_HEADER: it joined its key's burst.
     debounced: bool = False
+    #: The OWED_BY_HEADER: the pending rerun whose owed run it carries.
+    owed_by: Optional[str] = None
 
 
 @dataclass
@@ -625,6 +627,7 @@ class World(Traced):
             set_aside=message.set_aside,
             as_of=message.as_of,
             debounced=message.debounced,
+            owed_by=message.owed_by,
         )
         handler = SimOutcomes(self, message)
         keeps_mark = False
@@ -886,6 +889,7 @@ class World(Traced):
             version=version,
             duration=duration,
             as_of=owed.as_of,  # as the host sends it: the change it carries is that old
+            owed_by=message.task_id,
         )
         self.owed[new.task_id] = (self.scheduler.now, key, version)
         self.owed_to[message.task_id] = new.task_id
