@@ -563,21 +563,25 @@ def note_stopped(backend: Backend, key: str, token: int) -> None:
 
 def replaced_runs_left(backend: Backend, key: str, own_token: int) -> dict[int, float]:
     """The runs of ``key`` that a newer call replaced and that may still run (not the
-    grant ``own_token``, the caller's), by token: the seconds each may still run. A run
-    is over once it said it stopped, or once its lease's ttl and grace have passed (its
-    own deadline has stopped it by then); never more than that bound, whatever the
-    store's clock did. One read where none was replaced (a free key's grant); the
-    store's clock besides otherwise."""
+    grant ``own_token``, the caller's, which holds the key), by token: the seconds each
+    may still run. A run is over once it said it stopped, or once its lease's ttl and
+    grace have passed (its own deadline has stopped it by then); never more than that
+    bound, whatever the store's clock did. One read where none was replaced (a free
+    key's grant); the store's clock besides otherwise.
+
+    A run whose replacing call never said its grant was freed (it died, or the store
+    did not answer, between its release and its word) was freed by the caller's grant
+    at the latest: the caller says so, so that its bound counts from now for every call
+    after it too, rather than from each one's own grant."""
     entries = replaced_runs(backend, key, own_token)
     if not entries:
         return {}
+    unconfirmed = [e for e in entries if not e.get("freed", True)]  # (older: all freed)
+    for e in unconfirmed:
+        mark_replaced(backend, key, e["token"], e["task_id"], e["by"], e["within"], True)
     now = backend.store_time()
-    # Not freed yet by its replacing call's word: from now, the bound's latest start.
-    # (An entry written before entries said so counts as freed.)
-    left = {
-        e["token"]: min(e["until"] - now, e["within"]) if e.get("freed", True) else e["within"]
-        for e in entries
-    }
+    left = {e["token"]: min(e["until"] - now, e["within"]) for e in entries}
+    left.update((e["token"], e["within"]) for e in unconfirmed)  # from now, as marked
     return {token: seconds for token, seconds in left.items() if seconds > 0}
 
 

@@ -189,3 +189,28 @@ def test_a_duplicates_end_reads_as_no_end_to_an_earlier_version(store):
     # their own: below zero, their copies act as they did before.
     marks.mark_finished(store, "k", "t", 0, 10, as_duplicate=True)
     assert int(marks.finished_mark(store, "k", "t")) < 0
+
+
+#: The bound on the replaced runs below (their ttl and grace), and a wait past it.
+STOPS_WITHIN, PAST_THE_BOUND = 0.5, 0.7
+
+
+def test_a_replaced_run_is_waited_for_from_its_release_once_its_replacing_call_says_so(
+    store,
+):
+    marks.mark_replaced(store, "k", 1, "old", "new", STOPS_WITHIN)
+    time.sleep(PAST_THE_BOUND)  # the release was held up this long after the mark
+    marks.mark_replaced(store, "k", 1, "old", "new", STOPS_WITHIN, freed=True)
+    # Counted from the mark, the bound would have passed.
+    left = marks.replaced_runs_left(store, "k", 2)
+    assert list(left) == [1] and 0 < left[1] <= STOPS_WITHIN
+
+
+def test_a_run_its_replacing_call_never_said_freed_is_waited_for_from_the_next_grant(store):
+    marks.mark_replaced(store, "k", 1, "old", "new", STOPS_WITHIN)  # then it died
+    time.sleep(PAST_THE_BOUND)
+    # A grant of the key came after the release, however late: the bound counts from it,
+    assert marks.replaced_runs_left(store, "k", 2) == {1: STOPS_WITHIN}
+    # and for the calls after it too, not from each one's own grant again.
+    time.sleep(PAST_THE_BOUND)
+    assert marks.replaced_runs_left(store, "k", 3) == {}

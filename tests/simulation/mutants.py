@@ -392,8 +392,8 @@ MUTANTS = [
         "a replaced run's stop is bounded from when its replacing call marked it, not from "
         "when its grant was freed",
         "core/marks.py",
-        'if e.get("freed", True) else e["within"]',
-        'if True else e["within"]',
+        '    unconfirmed = [e for e in entries if not e.get("freed", True)]',
+        "    unconfirmed: list = []",
     ),
     Mutant(
         "owed-run-joins-its-giver",
