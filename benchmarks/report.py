@@ -130,26 +130,36 @@ def rates_table(r: dict) -> list[str]:
 
 
 def stream_table(s: dict) -> list[str]:
-    """Per-task time inside one worker, every variant in one stream (stream.py)."""
-    pools = list(s["pools"])
+    """Per-task time inside one worker, every variant in one stream (stream.py): a table
+    per hiredis setting, a pair of columns per harness and pool."""
     lines = [
         f"**Per-task time in one worker** — no-op tasks of every variant shuffled into one "
         f"stream ({s['per_variant']} of each per round), Redis broker and results; a task's "
         "time runs from its start to the next task's start in the same process; median per "
         f"round over plain `Task`'s (`acks_late`: over plain `acks_late`), median of "
-        f"{s['rounds']} rounds. Load average at start {s['load']['start']}, at end "
-        f"{s['load']['end']}:",
+        f"{s['rounds']} rounds. `queued`: the stream is queued first, then drained; `live`: "
+        "sent while the worker drains it (producer, worker and Redis share the cores).",
         "",
-        "| variant | " + " | ".join(f"{p}: µs | {p}: vs plain" for p in pools) + " |",
-        "|---|" + "---:|---:|" * len(pools),
     ]
-    for name in s["pools"][pools[0]]["ratio"]:
-        cells = []
-        for pool in pools:
-            x = s["pools"][pool]
-            cells += [f"{x['per_task_us'].get(name, 0):.0f}", f"{x['ratio'].get(name, 0):.2f}x"]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines.append("")
+    for run in s["runs"]:
+        columns = list(run["columns"])
+        lines += [
+            f"{'With' if run['hiredis'] else 'Without'} hiredis; load average at start "
+            f"{run['load']['start']}, at end {run['load']['end']}:",
+            "",
+            "| variant | " + " | ".join(f"{c}: µs | {c}: vs plain" for c in columns) + " |",
+            "|---|" + "---:|---:|" * len(columns),
+        ]
+        for name in run["columns"][columns[0]]["ratio"]:
+            cells = []
+            for column in columns:
+                x = run["columns"][column]
+                cells += [
+                    f"{x['per_task_us'].get(name, 0):.0f}",
+                    f"{x['ratio'].get(name, 0):.2f}x",
+                ]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append("")
     return lines
 
 

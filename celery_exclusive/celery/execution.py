@@ -33,6 +33,7 @@ from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
 from celery.worker.request import Request as CeleryRequest
 
+from ..backends import backend_for_url
 from ..core import config, holders, outcomes
 from ..engine import attempt, enqueue
 from ..errors import BackendUnavailable, DuplicateCoalesced, DuplicateReplaced, DuplicateSkipped
@@ -156,7 +157,7 @@ def _call_exclusive(
         request.id,
         key,
         settings,
-        task.exclusive_backend,
+        backend_for_url(settings.backend_url),  # task.exclusive_backend, settings read once
         args,
         kwargs,
         requeues=requeues_of(request),
@@ -168,7 +169,7 @@ def _call_exclusive(
         owed_by=_owed_by(request),
     )
     outcome = attempt.run(the_call, host_of(task, request, settings), lambda a, k: body(*a, **k))
-    handler = CeleryOutcomes(task)
+    handler = CeleryOutcomes(task, request)
     try:
         return outcome.carry_out(handler), handler.result_written
     except (Retry, Ignore, Reject):
@@ -268,9 +269,9 @@ class CeleryOutcomes(outcomes.OutcomeHandler):
     """The engine's outcome of one call of ``task``, in Celery's terms: what the task
     returns, or the exception that ends it in the state it must end in."""
 
-    def __init__(self, task: Any) -> None:
+    def __init__(self, task: Any, request: Any = None) -> None:
         self.task = task
-        self.request = task.request
+        self.request = task.request if request is None else request
         #: Whether the result was stored with the release of the lease (which cleared
         #: the call's enqueue mark too).
         self.result_written = False
@@ -531,11 +532,15 @@ def _owed_by(request: Any) -> Optional[str]:
 
 def _header(request: Any, name: str, default: Any) -> Any:
     """A header of the call's message: Celery makes the ones it does not know request
-    attributes, or keeps them in ``request.headers``."""
-    value = getattr(request, name, None)
+    attributes (in the request's ``__dict__``: no lookup that raises when, as nearly
+    always, the header is absent), or keeps them in ``request.headers``."""
+    value = getattr(request, "__dict__", _NO_HEADERS).get(name)
     if value is None:
-        value = (getattr(request, "headers", None) or {}).get(name, default)
+        value = (getattr(request, "headers", None) or _NO_HEADERS).get(name, default)
     return value
+
+
+_NO_HEADERS: dict = {}
 
 
 def _cannot_requeue(request: Any) -> bool:

@@ -75,8 +75,9 @@ class HeldLease:
         self._listeners: list[LossListener] = []
         self._loss_lock = runtime.Lock()
         #: Set once the loss has been logged, signalled and told to the listeners; the
-        #: thread doing that is ``_announcer``.
-        self._announced = runtime.Event()
+        #: thread doing that is ``_announcer``. Made with the loss (under the lock, before
+        #: ``lost_reason``): a lease that is never lost, nearly all, makes none.
+        self._announced: Any = None
         self._announcer: Optional[int] = None
         #: The trace of the call this lease was granted to (:mod:`celery_exclusive.telemetry`).
         self.trace = telemetry.NO_TRACE
@@ -400,6 +401,7 @@ class HeldLease:
         with self._loss_lock:
             flagged_elsewhere = self.lost_reason is not None
             if not flagged_elsewhere:
+                self._announced = runtime.Event()
                 self.lost_reason, self.lost_cause = reason, cause
                 self._announcer = runtime.get_ident()
                 listeners, self._listeners = self._listeners, []

@@ -376,11 +376,12 @@ def _granted(
     """What a call that took ``lease`` gets: it runs, unless (with ``redelivery``) it is
     a copy of a call that runs now or whose attempt already ended."""
     copy = redelivery and task_id and settings.limit > 1
-    with lease.released_on_error():
-        if copy and _held_by(backend, lease.key, task_id, lease):
-            # A semaphore had a slot left for the copy: give it back.
-            lease.release()
-            return SetAside(lease.key, requeue_delay(settings, requeues), requeues + 1)
+    if copy:
+        with lease.released_on_error():
+            if _held_by(backend, lease.key, task_id, lease):
+                # A semaphore had a slot left for the copy: give it back.
+                lease.release()
+                return SetAside(lease.key, requeue_delay(settings, requeues), requeues + 1)
     run = _run(settings, backend, lease.key, task_id, lease)
     if finished_read and not copy:
         run = replace(run, finished_read=True, finished=finished)
