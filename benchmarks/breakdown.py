@@ -189,6 +189,60 @@ def script_time(client, url: str, n: int, rounds: int) -> dict[str, float]:
     return {name: round(median(values), 2) for name, values in samples.items()}
 
 
+def script_time_busy(client, n: int, rounds: int) -> dict[str, float]:
+    """µs of store time per call as a busy store spends it: each script sent back to back
+    in pipelines of 100 (no idle gap between two, as on a store serving many workers),
+    the acquire on a fresh key each time (as every task of the stream has its own) and
+    its lease then deleted by a raw ``DEL``, the release on a lease set by a raw
+    ``SET``; from ``INFO commandstats``, median over rounds. Sent one at a time, as
+    :func:`script_time` sends them, a script finds the server's CPU idle between two
+    and costs several times more on a virtual machine whose vCPUs halt when idle."""
+    from celery_exclusive.backends.redis import scripts
+
+    holder = json.dumps(
+        {"task": "bench.task", "task_id": str(uuid.uuid4()), "hostname": "h", "pid": 1}
+    )
+    acquire, release = (client.script_load(scripts.ALL[name]) for name in ("acquire", "release"))
+    empty = client.script_load("return 1")
+    numbers = itertools.count()
+
+    def batch(send) -> float:
+        client.config_resetstat()
+        pipe = client.pipeline(transaction=False)
+        for _ in range(n):
+            send(pipe, layout.entries(f"exclusive:busy:{next(numbers)}"), uuid.uuid4().hex)
+            if len(pipe) >= 100:
+                pipe.execute()
+        pipe.execute()
+        stats = client.info("commandstats")["cmdstat_evalsha"]["usec_per_call"]
+        client.flushdb()
+        return stats
+
+    def acquire_one(pipe, names, owner) -> None:
+        keys = [names.lease, names.fence, names.holders, names.line]
+        pipe.evalsha(acquire, len(keys), *keys, owner, 30_000, 1, holder, "")
+        pipe.delete(names.lease)
+
+    def release_one(pipe, names, owner) -> None:
+        pipe.set(names.lease, f"{len(owner)}:{owner} 1 {holder}", px=30_000)
+        keys = [names.lease, names.holders, names.line, names.signal, names.waiting]
+        pipe.evalsha(release, len(keys), *keys, owner, 1, 30_000, 1_000)
+
+    def empty_one(pipe, names, owner) -> None:
+        pipe.evalsha(empty, 0)
+
+    measured = {
+        "empty script": empty_one,
+        "acquire script, a fresh key": acquire_one,
+        "release script": release_one,
+    }
+    samples: dict[str, list[float]] = {name: [] for name in measured}
+    for _ in range(rounds):
+        for name, send in measured.items():
+            samples[name].append(batch(send))
+    return {name: round(median(values), 2) for name, values in samples.items()}
+
+
 def renewal(url: str, client, leases: int = 1250, rounds: int = 5) -> dict[str, float]:
     """One process renewing ``leases`` leases (one of four holding 5,000): how many
     scripts it sends and the longest any of them blocks Redis, from the slow log (every
@@ -242,6 +296,7 @@ def run(cycles: int = 2000, rounds: int = 5) -> dict:
             "calls_us": _interleaved(call_functions, cycles, rounds),
             "parts_us": _interleaved(parts(url, app), cycles * 10, rounds),
             "script_us": script_time(client, url, cycles, rounds),
+            "busy_script_us": script_time_busy(client, cycles, rounds),
             "renewal": renewal(url, client, rounds=rounds),
             "burst": burst(url, client),
         }

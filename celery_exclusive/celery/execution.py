@@ -31,6 +31,7 @@ from typing import Any, Callable, NoReturn, Optional
 
 from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
+from celery.utils import uuid as celery_uuid
 from celery.worker.request import Request as CeleryRequest
 
 from ..backends import backend_for_url
@@ -220,6 +221,7 @@ def _host(task: Any, settings: config.Settings, direct: bool, redelivery: bool) 
         finished_ttl=finished_ttl(task) if redelivery else 0.0,
         comes_back=_comes_back,
         result_write=None if direct else functools.partial(results.result_write, task),
+        new_call_id=new_task_id,
     )
 
 
@@ -468,6 +470,11 @@ def send_again(task: Any, request: Any, outcome: outcomes.Requeue) -> Any:
     return signature
 
 
+def new_task_id() -> str:
+    """A task id, as Celery makes one."""
+    return celery_uuid()
+
+
 def send_owed_run(task: Any, task_id: Optional[str], owed: outcomes.OwedRun, why: str) -> None:
     """Send a new call of ``task`` for the run the pending rerun ``task_id`` owed the
     duplicates that joined it, as it ``why`` (died, gave up) without running. It carries
@@ -478,7 +485,7 @@ def send_owed_run(task: Any, task_id: Optional[str], owed: outcomes.OwedRun, why
     if task_id:
         headers[OWED_BY_HEADER] = task_id
     with enqueue.going_on():
-        sent = task.apply_async(owed.args, owed.kwargs, headers=headers)
+        sent = task.apply_async(owed.args, owed.kwargs, task_id=owed.task_id, headers=headers)
     logger.warning(
         "pending rerun %s[%s] %s; its run goes to %s (its duplicates are owed it)",
         task.name,

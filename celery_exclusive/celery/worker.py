@@ -277,7 +277,9 @@ class ExclusiveRequest(Request):
         delivered again: the duplicates coalesced into it are owed a run, which a new
         call of the task does."""
         try:
-            owed = attempt.owed_rerun(task.exclusive_backend, key, self.id)
+            settings = task.exclusive_settings
+            backend = task.exclusive_backend
+            owed = attempt.owed_rerun(backend, key, self.id, settings, execution.new_task_id)
             if owed is not None:
                 execution.send_owed_run(task, self.id, owed, "died")
         except ExclusiveError as exc:

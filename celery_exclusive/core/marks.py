@@ -38,7 +38,7 @@ read-then-swap loop on it, so a store needs nothing more to support them.
 from __future__ import annotations
 
 import json
-from typing import Optional
+from typing import Callable, Optional
 
 from ..backends import Backend
 from ..backends.line import LINE, entries_of, ids_of, until_of
@@ -178,15 +178,37 @@ def changed_at(arguments: str) -> float:
     return float(stamp) if isinstance(stamp, (int, float)) else 0.0
 
 
-def drop_dead_rerun(backend: Backend, key: str, task_id: str) -> Optional[str]:
-    """``task_id`` died while it was the pending rerun of ``key``: take it out of the
-    mark and the key's line, and return the arguments it was to run with, for a new
-    call to run them (None: it was not pending). The duplicates that joined it are
-    owed that run."""
-    arguments = take_rerun(backend, key, task_id)
-    if arguments is not None:
-        leave_line(backend, key, task_id)
-    return arguments
+def hand_on_rerun(
+    backend: Backend, key: str, task_id: str, carrier: Callable[[], str], alive_for: float
+) -> Optional[str]:
+    """``task_id`` died (or gave up) while it was the pending rerun of ``key``: the
+    duplicates that joined it are owed its run, which a new call carries. Make that call
+    the pending rerun in its place (``carrier()``: the id the host sends it under, made
+    only when there is a run to hand on), counted alive for ``alive_for`` seconds while
+    it travels to a worker; take ``task_id`` out of the key's line; return the arguments
+    the carrier runs with (None: ``task_id`` was not pending).
+
+    Named in the mark from the start, the carrier is pending as its giver was: duplicates
+    that come meanwhile join it, and should it die before it stands in line, its own
+    death hands the run on again. (Taken out of the mark instead, the run would be owed
+    by nobody while the carrier travels and waits: lost with it.)"""
+    carrier_id: Optional[str] = None
+    for _ in range(ATTEMPTS):
+        current = backend.read_mark(key, RERUN)
+        pending = _pending(current)
+        if pending is None or pending["task_id"] != task_id:
+            return None
+        carrier_id = carrier_id or carrier()
+        until = backend.store_time() + alive_for
+        handed = json.dumps({**pending, "task_id": carrier_id, "until": until})
+        try:
+            swapped = backend.swap_mark(key, RERUN, current, handed, RERUN_TTL)
+        except BackendUnavailable as exc:
+            raise LostTake(exc, pending["arguments"]) from None
+        if swapped:
+            leave_line(backend, key, task_id)
+            return pending["arguments"]
+    raise _contended(backend, key, RERUN)
 
 
 def pending_rerun(backend: Backend, key: str) -> Optional[str]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import uuid
 from contextvars import ContextVar, Token
 from typing import Any, Callable, Optional, Union
 
@@ -47,6 +48,11 @@ Body = Callable[[tuple, dict], Any]
 
 def _never(exc: BaseException) -> bool:
     return False
+
+
+def new_call_id() -> str:
+    """A new call's id, as Celery and RQ make one: a random UUID."""
+    return str(uuid.uuid4())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +92,9 @@ class Host:
     #: How the host spells a setting's name before ``<name>``: ``exclusive_`` on a
     #: Celery task, nothing in ``@exclusive(...)``.
     setting_prefix: str = "exclusive_"
+    #: A new call's id, as the host would give it: the call that carries on the run a
+    #: pending rerun owed is named in the rerun mark before it is sent.
+    new_call_id: Callable[[], str] = new_call_id
 
     @property
     def resumable(self) -> bool:
@@ -586,7 +595,9 @@ class Attempt:
         if call.settings.on_duplicate != "rerun" or not call.task_id:
             return None
         try:
-            return owed_rerun(call.backend, call.key, call.task_id)
+            return owed_rerun(
+                call.backend, call.key, call.task_id, call.settings, self.host.new_call_id
+            )
         except ExclusiveError as exc:
             logger.warning(
                 "%s[%s] gave up as the pending rerun of %r and could not hand its run on "
@@ -740,7 +751,9 @@ class Attempt:
         if call.settings.on_duplicate != "rerun" or not call.task_id:
             return None
         try:
-            return owed_rerun(call.backend, call.key, call.task_id)
+            return owed_rerun(
+                call.backend, call.key, call.task_id, call.settings, self.host.new_call_id
+            )
         except ExclusiveError:
             return None  # a duplicate that finds the mark not alive takes its place
 
@@ -959,24 +972,37 @@ class Attempt:
         )
 
 
-def owed_rerun(backend: Backend, key: str, task_id: Optional[str]) -> Optional[outcomes.OwedRun]:
-    """The call ``task_id`` died (its process killed, its job stopped) without ending
-    its attempt: if it was the pending rerun of ``key``, the duplicates that joined it
-    are owed its run. Returns what the host sends a new call with (it becomes the
-    pending rerun, or runs), or None.
+def owed_rerun(
+    backend: Backend,
+    key: str,
+    task_id: Optional[str],
+    settings: Settings,
+    carrier: Callable[[], str] = new_call_id,
+) -> Optional[outcomes.OwedRun]:
+    """The call ``task_id`` died (its process killed, its job stopped) or gave up
+    without ending its attempt: if it was the pending rerun of ``key``, the duplicates
+    that joined it are owed its run. Returns what the host sends a new call with, under
+    the id ``carrier()`` gave, which the rerun mark names as the pending rerun now
+    (:func:`marks.hand_on_rerun`); or None.
 
-    A take whose answer was lost may have taken the arguments: they are handed on all
+    A hand-on whose answer was lost may have been made: the arguments are handed on all
     the same (at worst one change is run twice, never lost)."""
     if not task_id:
         return None
+    carried: list[str] = []
+
+    def named() -> str:
+        carried.append(carrier())
+        return carried[-1]
+
     try:
-        arguments = marks.drop_dead_rerun(backend, key, task_id)
+        arguments = marks.hand_on_rerun(backend, key, task_id, named, settings.lease_ttl)
     except marks.LostTake as lost:
         arguments = lost.arguments
     if arguments is None:
         return None
     args, kwargs = decode_call(arguments)
-    return outcomes.OwedRun(args, kwargs, marks.changed_at(arguments))
+    return outcomes.OwedRun(args, kwargs, marks.changed_at(arguments), carried[-1])
 
 
 def rerun_of_killed(

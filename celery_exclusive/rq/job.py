@@ -186,7 +186,7 @@ class ExclusiveJob(Job):
             if enqueue.under_way(backend, key, pending):
                 return  # waiting in the key's line, or granted the key as it was canceled
             canceled = Job.fetch(pending, connection=self.connection, serializer=self.serializer)
-            owed = attempt.owed_rerun(backend, key, pending)
+            owed = attempt.owed_rerun(backend, key, pending, settings)
             if owed is not None:
                 self._send_owed_rerun(owed, canceled, "was canceled")
         except Exception as exc:  # never in the way of the job's own end
@@ -460,6 +460,7 @@ class ExclusiveJob(Job):
             kwargs=owed.kwargs,
             timeout=dead.timeout,
             meta={META_KEY: {"owed_by": dead.id, **_stamp(owed.as_of)}},
+            job_id=owed.task_id,  # the id the rerun mark names as its pending rerun now
         )
         logger.warning(
             "pending rerun job %s %s; its run goes to job %s (its duplicates are owed it)",
@@ -484,7 +485,7 @@ class ExclusiveJob(Job):
                 # The worker has waited for its horse: a process still running is not it.
                 keep = reaper.kept_after_death(settings, left, comes_back)
                 reaper.release_when_gone(backend, left, self.id, patience=0, keep=keep)
-            owed = None if comes_back else attempt.owed_rerun(backend, key, self.id)
+            owed = None if comes_back else attempt.owed_rerun(backend, key, self.id, settings)
             if owed is not None:
                 self._send_owed_rerun(owed)
         except Exception as exc:  # never in the way of RQ's own failure handling

@@ -73,6 +73,43 @@ def test_the_carrier_of_an_owed_run_takes_the_place_of_the_pending_rerun_that_ow
     assert marks.take_rerun(store, "k", "carrier") == "a2"
 
 
+def test_a_dead_pending_rerun_hands_its_run_to_a_carrier_the_mark_names(store):
+    marks.join_rerun(store, "k", "dead", "a1", 10)
+    marks.join_rerun(store, "k", "joined", "a2", 10)
+    assert marks.hand_on_rerun(store, "k", "dead", lambda: "carrier", 10) == "a2"
+    assert marks.pending_rerun(store, "k") == "carrier"
+
+
+def test_a_duplicate_after_the_hand_on_joins_the_carrier_on_its_way(store):
+    marks.join_rerun(store, "k", "dead", "a1", 10)
+    marks.hand_on_rerun(store, "k", "dead", lambda: "carrier", 10)
+    assert marks.join_rerun(store, "k", "later", "a2", 10) == "carrier"
+    assert marks.join_rerun(store, "k", "carrier", "a1", 10, gone="dead") == "carrier"
+    assert marks.take_rerun(store, "k", "carrier") == "a2"
+
+
+def test_a_carrier_that_dies_before_it_runs_hands_the_run_on_again(store):
+    marks.join_rerun(store, "k", "dead", "a1", 10)
+    marks.hand_on_rerun(store, "k", "dead", lambda: "carrier", 10)
+    assert marks.hand_on_rerun(store, "k", "carrier", lambda: "next", 10) == "a1"
+    assert marks.pending_rerun(store, "k") == "next"
+
+
+def test_a_carrier_that_never_comes_gives_its_place_to_the_next_duplicate(store):
+    marks.join_rerun(store, "k", "dead", "a1", 10)
+    marks.hand_on_rerun(store, "k", "dead", lambda: "carrier", ALIVE_FOR)
+    time.sleep(PAST_IT)  # its message lost on the way
+    assert marks.join_rerun(store, "k", "next", "a2", 10, alive_for=ALIVE_FOR) == "next"
+    assert marks.take_rerun(store, "k", "next") == "a2"
+
+
+def test_a_call_that_was_not_the_pending_rerun_hands_nothing_on_and_names_no_carrier(store):
+    marks.join_rerun(store, "k", "pending", "a1", 10)
+    named = []
+    assert marks.hand_on_rerun(store, "k", "other", lambda: named.append(1) or "c", 10) is None
+    assert named == [] and marks.pending_rerun(store, "k") == "pending"
+
+
 def test_a_pending_rerun_standing_in_line_stays_pending(store):
     marks.join_rerun(store, "k", "waiting", "a1", 10, alive_for=ALIVE_FOR)
     marks.take_place(store, "k", "waiting", 10)

@@ -138,7 +138,8 @@ MUTANTS = [
         "owed-run-never-handed-on",
         "the run a dead pending rerun owed its duplicates is never sent",
         "engine/attempt.py",
-        "    try:\n        arguments = marks.drop_dead_rerun(backend, key, task_id)\n"
+        "    try:\n        arguments = marks.hand_on_rerun(backend, key, task_id, named, "
+        "settings.lease_ttl)\n"
         "    except marks.LostTake as lost:\n        arguments = lost.arguments\n",
         "    arguments = None\n",
     ),
@@ -402,6 +403,14 @@ MUTANTS = [
         "core/policies.py",
         "        gone=d.owed_by,",
         "        gone=None,",
+    ),
+    Mutant(
+        "owed-run-carrier-not-named",
+        "a dead pending rerun's hand-on empties the rerun mark instead of naming the call "
+        "it sends with the run: that call's death before it stands in line loses the run",
+        "core/marks.py",
+        "            swapped = backend.swap_mark(key, RERUN, current, handed, RERUN_TTL)",
+        "            swapped = backend.swap_mark(key, RERUN, current, None, 0)",
     ),
     Mutant(
         "replaced-run-sent-again",

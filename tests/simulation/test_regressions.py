@@ -180,6 +180,15 @@ FOUND = [
         "into it, and the change it carried was lost",
     ),
     (
+        "owed-run-carrier-not-named",
+        46365,
+        6,
+        "the call a dead pending rerun's hand-on sends with the run it owed is named in "
+        "the rerun mark before it goes: it died waiting for the key (acks_late without "
+        "reject_on_worker_lost: its message gone), and with the mark emptied nobody owed "
+        "the run any more, the newest change never ran",
+    ),
+    (
         "body-starts-on-a-lost-grant",
         34683,
         6,

@@ -24,7 +24,7 @@ import tempfile
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from celery_exclusive import runtime, signals
 from celery_exclusive.backends import memory as memory_module
@@ -633,7 +633,7 @@ class World(Traced):
         keeps_mark = False
         try:
             try:
-                outcome = attempt.run(call, host_for(config), self._body)
+                outcome = attempt.run(call, host_for(config, self._new_task_id), self._body)
                 keeps_mark = enqueue.keeps_mark(outcome)
                 outcome.carry_out(handler)
             except Retry:
@@ -874,17 +874,29 @@ class World(Traced):
                 if config.on_duplicate == "rerun":
                     kept = marks.resume_arguments(direct, key, message.task_id)
                     marks.drop_resume(direct, key, message.task_id, kept)
-                    owed = attempt.owed_rerun(direct, key, message.task_id)
+                    owed = attempt.owed_rerun(
+                        direct, key, message.task_id, self.settings, self._new_task_id
+                    )
                     if owed is not None:
                         self._send_owed(message, owed)
             self._free_left(direct, message, child, comes_back=handed_back)
         self._replace(child)
 
+    def _new_task_id(self) -> str:
+        """A task id for a call the library names before it is sent (the carrier of an
+        owed run): drawn from the seed, apart from the schedule's own stream of draws."""
+        if not hasattr(self, "_ids"):
+            self._ids = random.Random(f"{self.seed}:ids")
+        return uuid.UUID(int=self._ids.getrandbits(128)).hex[:12]
+
     def _send_owed(self, message: Message, owed: outcomes.OwedRun) -> None:
         """A new call for the run a pending rerun owed, as the host sends it."""
         key, version, duration = owed.args
+        # The schedule draws where it drew a new message's id before carriers were named
+        # in the mark: a schedule found earlier is still that schedule.
+        drawn = uuid.UUID(int=self.rng.getrandbits(128)).hex[:12]
         new = Message(
-            task_id=uuid.UUID(int=self.rng.getrandbits(128)).hex[:12],
+            task_id=owed.task_id or drawn,
             key=key,
             version=version,
             duration=duration,
@@ -1270,19 +1282,21 @@ class _Direct:
         return getattr(self._memory, name)
 
 
-def host_for(config: Config) -> attempt.Host:
+def host_for(config: Config, new_task_id: Callable[[], str] = attempt.new_call_id) -> attempt.Host:
     """What a prefork child of a Celery worker can do, for these task options (as
     ``celery.execution.host_of`` decides it), or an RQ work horse (as
-    ``rq.job.ExclusiveJob`` describes it)."""
+    ``rq.job.ExclusiveJob`` describes it); its new calls' ids from ``new_task_id``."""
     if config.host == "rq":
         return attempt.Host(
             can_requeue=True,
             stop_process=True if config.on_lease_lost == "terminate" else None,
             noun="job",
             setting_prefix="",
+            new_call_id=new_task_id,
         )
     return attempt.Host(
         can_requeue=True,
+        new_call_id=new_task_id,
         redelivery=config.acks_late,
         redelivered_when_stopped=config.acks_late and config.reject_on_worker_lost,
         stop_process=True if config.on_lease_lost == "terminate" else None,
