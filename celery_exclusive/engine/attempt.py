@@ -404,11 +404,13 @@ class Attempt:
                 arguments = self._resumed_arguments()
                 if arguments is None:
                     arguments = encode_call(call.name, call.args, call.kwargs, self.as_of)
-                if call.resumed or self._resume is not None:
+                if (call.resumed or self._resume is not None) and not marks.changed_at(arguments):
                     # It resumes a run (one stopped, or one owed to the duplicates of a
-                    # pending rerun that died) whose arguments are those of an earlier
-                    # change: a duplicate pending since then brought newer ones, which it
-                    # joins without replacing them (a run with the newest covers it).
+                    # pending rerun that died) with arguments no stamp dates: a duplicate
+                    # pending since may have brought a newer change, which it joins
+                    # without replacing (a run with the newest covers it). Stamped, the
+                    # newer of the two stays, whichever it is: the pending rerun's may be
+                    # the older (it came before the run that was stopped).
                     settings = dataclasses.replace(settings, rerun_args="first")
             claimed = policies.claim(
                 settings,

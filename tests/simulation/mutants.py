@@ -413,6 +413,15 @@ MUTANTS = [
         "            swapped = backend.swap_mark(key, RERUN, current, None, 0)",
     ),
     Mutant(
+        "resumed-run-yields-to-an-older-change",
+        "a call resuming a stopped run joins the pending rerun without its newer change, "
+        "whatever the stamps say",
+        "engine/attempt.py",
+        "                if (call.resumed or self._resume is not None) and not marks.changed_at("
+        "arguments):\n",
+        "                if call.resumed or self._resume is not None:\n",
+    ),
+    Mutant(
         "replaced-run-sent-again",
         "a run a newer call replaced is sent again as a run that lost its lease, not ended",
         "engine/attempt.py",

@@ -189,6 +189,14 @@ FOUND = [
         "the run any more, the newest change never ran",
     ),
     (
+        "resumed-run-yields-to-an-older-change",
+        49843,
+        6,
+        "a call sent again to resume its run stopped by a lost lease joins the pending "
+        "rerun with its change if that is the newer (stamped) one: it had joined without "
+        "it, and the pending rerun, an older change, ran last",
+    ),
+    (
         "body-starts-on-a-lost-grant",
         34683,
         6,
