@@ -138,17 +138,23 @@ def rerun_away(backend: Backend, key: str, task_id: str, away: float, ttl: float
     raise _contended(backend, key, RERUN)
 
 
-def take_rerun(backend: Backend, key: str, task_id: str) -> Optional[str]:
+def take_rerun(
+    backend: Backend, key: str, task_id: str, keep: Optional[Callable[[str], None]] = None
+) -> Optional[str]:
     """If ``task_id`` is the pending rerun of ``key``, end it and return its arguments.
 
     Called right after the pending task got the lease: a duplicate arriving from now
-    on becomes the next pending rerun rather than joining this one.
+    on becomes the next pending rerun rather than joining this one. ``keep`` is called
+    with the arguments before they are taken (each time they are read anew): kept
+    first, they are never only in a process that dies before it keeps them.
     """
     for _ in range(ATTEMPTS):
         current = backend.read_mark(key, RERUN)
         pending = _pending(current)
         if pending is None or pending["task_id"] != task_id:
             return None
+        if keep is not None:
+            keep(pending["arguments"])
         try:
             if backend.swap_mark(key, RERUN, current, None, 0):
                 return pending["arguments"]

@@ -73,6 +73,9 @@ class Duplicate:
     #: The pending rerun that handed this call the run it owed (it died or gave up):
     #: never joined, whatever the rerun mark still says of it.
     owed_by: Optional[str] = None
+    #: Called with a pending rerun's arguments before this call takes them (see
+    #: :func:`_run`).
+    keep_taken: Optional[Callable[[str], None]] = None
 
     def requeued(self) -> Requeue:
         """Go back to the queue for a while; the engine decides whether it can."""
@@ -89,7 +92,7 @@ class Duplicate:
     def granted(self, lease: HeldLease) -> Union[Granted, Dropped]:
         """The key came free for it after all: it runs (or, a copy of an attempt that
         ended, is dropped)."""
-        run = _run(self.settings, self.backend, self.key, self.task_id, lease)
+        run = _run(self.settings, self.backend, self.key, self.task_id, lease, self.keep_taken)
         return _unless_ended(
             self.backend, run, self.task_id, self.retries, self.resumed, self.redelivery
         )
@@ -250,12 +253,15 @@ def claim(
     resumed: bool = False,
     noun: str = "task",
     owed_by: Optional[str] = None,
+    keep_taken: Optional[Callable[[str], None]] = None,
 ) -> Claimed:
     """Take ``key`` or decide what the duplicate gets under ``settings.on_duplicate``
     (:data:`STRATEGIES`), or under ``priority``: it waits in line ahead of the rest.
 
     ``arguments`` (JSON) is what a ``rerun`` duplicate hands to the pending rerun;
-    ``owed_by``, the pending rerun that handed this call its run, which it never joins.
+    ``owed_by``, the pending rerun that handed this call its run, which it never joins;
+    ``keep_taken``, called with the pending rerun's arguments before the call takes them
+    (a host whose message may come again keeps them for its task id first).
     With ``redelivery`` (a broker may deliver this call's message twice), a call whose
     own ``task_id`` holds the key is :class:`~.outcomes.SetAside`, and one whose attempt
     ``retries`` already ended is :class:`~.outcomes.Dropped` (see :func:`marks.ended`),
@@ -288,6 +294,7 @@ def claim(
                 redelivery,
                 finished_read,
                 finished,
+                keep_taken,
             )
         if redelivery and marks.ended(finished, retries, resumed):
             return Dropped(key)  # even where a later attempt (a retry) holds the key
@@ -340,6 +347,7 @@ def claim(
         retries,
         resumed,
         owed_by,
+        keep_taken,
     )
     if settings.priority and task_id:
         _detected(name, key, task_id, "priority", holder)
@@ -372,6 +380,7 @@ def _granted(
     redelivery: bool,
     finished_read: bool,
     finished: Optional[str],
+    keep_taken: Optional[Callable[[str], None]] = None,
 ) -> Claimed:
     """What a call that took ``lease`` gets: it runs, unless (with ``redelivery``) it is
     a copy of a call that runs now or whose attempt already ended."""
@@ -382,7 +391,7 @@ def _granted(
                 # A semaphore had a slot left for the copy: give it back.
                 lease.release()
                 return SetAside(lease.key, requeue_delay(settings, requeues), requeues + 1)
-    run = _run(settings, backend, lease.key, task_id, lease)
+    run = _run(settings, backend, lease.key, task_id, lease, keep_taken)
     if finished_read and not copy:
         run = replace(run, finished_read=True, finished=finished)
     # A copy that found no other slot of its task id held may have found it just after
@@ -513,12 +522,13 @@ def _run(
     key: str,
     task_id: Optional[str],
     lease: HeldLease,
+    keep_taken: Optional[Callable[[str], None]] = None,
 ) -> Granted:
     """Run under ``lease``, with a pending rerun's arguments if there is one (if taking
-    them fails, the lease goes back)."""
+    them fails, the lease goes back); ``keep_taken`` is given them before they are taken."""
     if settings.on_duplicate == "rerun" and task_id:
         with lease.released_on_error():
-            return Granted(lease, marks.take_rerun(backend, key, task_id))
+            return Granted(lease, marks.take_rerun(backend, key, task_id, keep_taken))
     return Granted(lease)
 
 

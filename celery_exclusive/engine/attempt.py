@@ -245,6 +245,9 @@ class Attempt:
         #: The arguments kept for the call's task id while its attempt runs, as a pending
         #: rerun whose message may come again (see :meth:`_keep_resume`), as read or kept.
         self._resume: Optional[str] = None
+        #: Arguments kept for the call's task id just before its claim takes them from
+        #: the pending rerun (:meth:`_keep_before_take`), until the claim says it did.
+        self._kept_for_take: Optional[str] = None
         #: The arguments (JSON, as stored) the body runs with when it runs as the pending
         #: rerun of its key: the newest duplicate's, not the call's own. A host that
         #: sends the call again on the body's behalf (Celery's ``retry()``) sends these.
@@ -412,20 +415,29 @@ class Attempt:
                     # newer of the two stays, whichever it is: the pending rerun's may be
                     # the older (it came before the run that was stopped).
                     settings = dataclasses.replace(settings, rerun_args="first")
-            claimed = policies.claim(
-                settings,
-                call.backend,
-                call.key,
-                call.name,
-                call.task_id,
-                requeues=call.requeues,
-                arguments=arguments,
-                redelivery=host.redelivery and bool(call.task_id),
-                retries=call.retries,
-                resumed=call.resumed,
-                noun=host.noun,
-                owed_by=call.owed_by,
-            )
+            try:
+                claimed = policies.claim(
+                    settings,
+                    call.backend,
+                    call.key,
+                    call.name,
+                    call.task_id,
+                    requeues=call.requeues,
+                    arguments=arguments,
+                    redelivery=host.redelivery and bool(call.task_id),
+                    retries=call.retries,
+                    resumed=call.resumed,
+                    noun=host.noun,
+                    owed_by=call.owed_by,
+                    keep_taken=self._keep_before_take if rerun and host.resumable else None,
+                )
+            except BaseException:
+                # A take that may have been made (its answer lost): what was kept for it
+                # is what the call carries on with.
+                self._resume = self._kept_for_take or self._resume
+                self._kept_for_take = None
+                raise
+            self._settle_kept(claimed)
             if isinstance(claimed, Granted) and burst is not None:
                 taken = self._take_burst(claimed, burst)
                 if isinstance(taken, outcomes.Coalesced):
@@ -676,6 +688,67 @@ class Attempt:
             return None
         self._resume = marks.resume_arguments(call.backend, call.key, call.task_id)
         return self._resume
+
+    def _keep_before_take(self, arguments: str) -> None:
+        """The pending rerun's ``arguments``, about to be taken for this call's run: kept
+        for its task id first (:meth:`_keep_resume`), so that a process that dies between
+        the take and the keep does not lose them with it (its message comes again, and
+        runs with them). A store that does not keep them costs only that: the run goes on
+        with them, and a delivery that comes back runs with its own."""
+        call = self.call
+        current = self._kept_for_take or self._resume
+        if arguments == current:
+            return
+        try:
+            marks.keep_resume(
+                call.backend,
+                call.key,
+                call.task_id or "",
+                arguments,
+                max(self.host.finished_ttl, marks.RESUME_TTL),
+                current,
+            )
+        except ExclusiveError as exc:
+            logger.warning(
+                "could not keep the arguments %s[%s] runs with on %r (%s): a delivery "
+                "of its message that comes back before it ends runs with its own",
+                call.name,
+                call.task_id,
+                call.key,
+                exc,
+            )
+            return
+        self._kept_for_take = arguments
+
+    def _settle_kept(self, claimed: Any) -> None:
+        """After the claim: arguments kept before a take that took them are the ones the
+        call resumes with; kept before a take that found the rerun no longer its own,
+        they go (the resume mark back to what it held), or a delivery that comes back
+        would run a change another call runs."""
+        kept, self._kept_for_take = self._kept_for_take, None
+        if kept is None:
+            return
+        if isinstance(claimed, Granted) and claimed.arguments == kept:
+            self._resume = kept
+            return
+        call = self.call
+        try:
+            if self._resume is None:
+                marks.drop_resume(call.backend, call.key, call.task_id or "", kept)
+            else:
+                ttl = max(self.host.finished_ttl, marks.RESUME_TTL)
+                marks.keep_resume(
+                    call.backend, call.key, call.task_id or "", self._resume, ttl, kept
+                )
+        except ExclusiveError as exc:
+            logger.warning(
+                "could not put back what %s[%s] keeps to resume on %r (%s): a delivery of "
+                "its message that comes back may run the pending rerun's change once more",
+                call.name,
+                call.task_id,
+                call.key,
+                exc,
+            )
 
     def _keep_resume(self, outcome: Granted) -> Granted:
         """The call took its key as the pending rerun (or resumes a run that did): keep

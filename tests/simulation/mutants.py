@@ -422,6 +422,15 @@ MUTANTS = [
         "                if call.resumed or self._resume is not None:\n",
     ),
     Mutant(
+        "rerun-arguments-kept-after-the-take",
+        "a pending rerun whose message may come again keeps the arguments it takes for its "
+        "task id only after taking them: a death in between loses the change",
+        "engine/attempt.py",
+        "                    keep_taken=self._keep_before_take if rerun and host.resumable "
+        "else None,",
+        "                    keep_taken=None,",
+    ),
+    Mutant(
         "replaced-run-sent-again",
         "a run a newer call replaced is sent again as a run that lost its lease, not ended",
         "engine/attempt.py",

@@ -40,7 +40,7 @@ FOUND = [
     ),
     (
         "taken-arguments-lost",
-        496,
+        8069,
         1,
         "arguments a pending rerun took go with the call when the store fails right after",
     ),
@@ -70,8 +70,8 @@ FOUND = [
     ),
     (
         "gives-up-silently",
-        5785,
-        1,
+        13650,
+        2,
         "a call that gives up says so before it records its end: a process that dies "
         "between the two leaves the line, and the copy that finds the record is dropped",
     ),
@@ -195,6 +195,14 @@ FOUND = [
         "a call sent again to resume its run stopped by a lost lease joins the pending "
         "rerun with its change if that is the newer (stamped) one: it had joined without "
         "it, and the pending rerun, an older change, ran last",
+    ),
+    (
+        "rerun-arguments-kept-after-the-take",
+        66480,
+        6,
+        "a pending rerun whose message may come again keeps the arguments it takes for its "
+        "task id before it takes them from the rerun mark: killed between the take and the "
+        "keep, its delivery that came back ran its own older change, and the newest was lost",
     ),
     (
         "body-starts-on-a-lost-grant",

@@ -1184,6 +1184,8 @@ class World(Traced):
         limit = config.requeue_max_retries
         if config.on_duplicate not in ("requeue", "wait") or limit is None:
             return False
+        if config.debounce:
+            return False  # its recorded end may be its burst's run covering it
         if any(kind == "lost" for _, kind, _ in ends):  # WorkerLostError: named
             return False
         if any(b.task_id == task_id and self._ended(b) for b in self.bodies):
@@ -1198,8 +1200,11 @@ class World(Traced):
         skipped or coalesced recorded, or a warning said), and each copy found the
         record and was dropped."""
         mark = self.store.memory.read_mark(marks.finished_key(key, task_id), marks.DONE)
+        returned = any(b.task_id == task_id and b.how == "returned" for b in self.bodies)
         return (
             (mark is not None and int(mark) < 0)
+            # A run's end recorded on its own (its release with the record unanswered).
+            or (mark is not None and int(mark) >= 0 and returned)
             or any(f"[{task_id}]" in line for line in self.warnings)
             or any(b.task_id == task_id and self._ended(b) for b in self.bodies)
         )
