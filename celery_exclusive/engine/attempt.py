@@ -695,30 +695,9 @@ class Attempt:
         the take and the keep does not lose them with it (its message comes again, and
         runs with them). A store that does not keep them costs only that: the run goes on
         with them, and a delivery that comes back runs with its own."""
-        call = self.call
         current = self._kept_for_take or self._resume
-        if arguments == current:
-            return
-        try:
-            marks.keep_resume(
-                call.backend,
-                call.key,
-                call.task_id or "",
-                arguments,
-                max(self.host.finished_ttl, marks.RESUME_TTL),
-                current,
-            )
-        except ExclusiveError as exc:
-            logger.warning(
-                "could not keep the arguments %s[%s] runs with on %r (%s): a delivery "
-                "of its message that comes back before it ends runs with its own",
-                call.name,
-                call.task_id,
-                call.key,
-                exc,
-            )
-            return
-        self._kept_for_take = arguments
+        if arguments != current and self._kept(arguments, current):
+            self._kept_for_take = arguments
 
     def _settle_kept(self, claimed: Any) -> None:
         """After the claim: arguments kept before a take that took them are the ones the
@@ -759,31 +738,37 @@ class Attempt:
         The pending rerun's mark is gone once its run took them, so a store that does
         not answer now costs only a delivery that comes back: the run goes on with them.
         """
-        call = self.call
         arguments = outcome.arguments or self._resume
         if arguments is None:
             return outcome
-        if arguments != self._resume:
-            try:
-                marks.keep_resume(
-                    call.backend,
-                    call.key,
-                    call.task_id or "",
-                    arguments,
-                    max(self.host.finished_ttl, marks.RESUME_TTL),
-                    self._resume,
-                )
-                self._resume = arguments
-            except ExclusiveError as exc:
-                logger.warning(
-                    "could not keep the arguments %s[%s] runs with on %r (%s): a delivery "
-                    "of its message that comes back before it ends runs with its own",
-                    call.name,
-                    call.task_id,
-                    call.key,
-                    exc,
-                )
+        if arguments != self._resume and self._kept(arguments, self._resume):
+            self._resume = arguments
         return dataclasses.replace(outcome, arguments=arguments)
+
+    def _kept(self, arguments: str, current: Optional[str]) -> bool:
+        """Keep ``arguments`` for the call's task id, over ``current`` (what the resume
+        mark holds); False, said in a WARNING, where the store does not take them."""
+        call = self.call
+        try:
+            marks.keep_resume(
+                call.backend,
+                call.key,
+                call.task_id or "",
+                arguments,
+                max(self.host.finished_ttl, marks.RESUME_TTL),
+                current,
+            )
+            return True
+        except ExclusiveError as exc:
+            logger.warning(
+                "could not keep the arguments %s[%s] runs with on %r (%s): a delivery "
+                "of its message that comes back before it ends runs with its own",
+                call.name,
+                call.task_id,
+                call.key,
+                exc,
+            )
+            return False
 
     # --- the body --------------------------------------------------------------------------
 
