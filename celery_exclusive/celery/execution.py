@@ -31,7 +31,6 @@ from typing import Any, Callable, NoReturn, Optional
 
 from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
-from celery.utils import uuid as celery_uuid
 from celery.worker.request import Request as CeleryRequest
 
 from ..backends import backend_for_url
@@ -221,7 +220,6 @@ def _host(task: Any, settings: config.Settings, direct: bool, redelivery: bool) 
         finished_ttl=finished_ttl(task) if redelivery else 0.0,
         comes_back=_comes_back,
         result_write=None if direct else functools.partial(results.result_write, task),
-        new_call_id=new_task_id,
     )
 
 
@@ -468,11 +466,6 @@ def send_again(task: Any, request: Any, outcome: outcomes.Requeue) -> Any:
         outcome.reason,
     )
     return signature
-
-
-def new_task_id() -> str:
-    """A task id, as Celery makes one."""
-    return celery_uuid()
 
 
 def send_owed_run(task: Any, task_id: Optional[str], owed: outcomes.OwedRun, why: str) -> None:

@@ -279,7 +279,7 @@ class ExclusiveRequest(Request):
         try:
             settings = task.exclusive_settings
             backend = task.exclusive_backend
-            owed = attempt.owed_rerun(backend, key, self.id, settings, execution.new_task_id)
+            owed = attempt.owed_rerun(backend, key, self.id, settings)
             if owed is not None:
                 execution.send_owed_run(task, self.id, owed, "died")
         except ExclusiveError as exc:

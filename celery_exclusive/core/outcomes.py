@@ -83,10 +83,10 @@ class OwedRun:
 
     args: tuple
     kwargs: dict
-    as_of: Optional[float] = None
     #: The id the host sends the new call under: the rerun mark names it already, as
     #: the pending rerun that carries the run on (``marks.hand_on_rerun``).
-    task_id: Optional[str] = None
+    task_id: str
+    as_of: Optional[float] = None
 
 
 @dataclass(frozen=True)

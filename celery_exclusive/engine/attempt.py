@@ -51,7 +51,8 @@ def _never(exc: BaseException) -> bool:
 
 
 def new_call_id() -> str:
-    """A new call's id, as Celery and RQ make one: a random UUID."""
+    """A new call's id, as Celery and RQ make one: a random UUID (Celery's ``uuid()``
+    and RQ's job ids are ``str(uuid4())``)."""
     return str(uuid.uuid4())
 
 
@@ -1062,7 +1063,7 @@ def owed_rerun(
     if arguments is None:
         return None
     args, kwargs = decode_call(arguments)
-    return outcomes.OwedRun(args, kwargs, marks.changed_at(arguments), carried[-1])
+    return outcomes.OwedRun(args, kwargs, carried[-1], marks.changed_at(arguments))
 
 
 def rerun_of_killed(

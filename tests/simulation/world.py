@@ -347,6 +347,9 @@ class World(Traced):
             config = _with_later_draws(config, seed, faults)
         self.config = config
         self.settings = self.config.settings()
+        #: Ids of the calls the library names before it sends them (an owed run's
+        #: carrier): drawn from the seed, apart from the schedule's own stream of draws.
+        self._ids = random.Random(f"{seed}:ids")
         self.queue: list[Message] = []
         self._seq = itertools.count()
         self.unacked: dict[str, Message] = {}
@@ -883,10 +886,7 @@ class World(Traced):
         self._replace(child)
 
     def _new_task_id(self) -> str:
-        """A task id for a call the library names before it is sent (the carrier of an
-        owed run): drawn from the seed, apart from the schedule's own stream of draws."""
-        if not hasattr(self, "_ids"):
-            self._ids = random.Random(f"{self.seed}:ids")
+        """A task id for a call the library names before it is sent (see ``_ids``)."""
         return uuid.UUID(int=self._ids.getrandbits(128)).hex[:12]
 
     def _send_owed(self, message: Message, owed: outcomes.OwedRun) -> None:
@@ -894,9 +894,9 @@ class World(Traced):
         key, version, duration = owed.args
         # The schedule draws where it drew a new message's id before carriers were named
         # in the mark: a schedule found earlier is still that schedule.
-        drawn = uuid.UUID(int=self.rng.getrandbits(128)).hex[:12]
+        self.rng.getrandbits(128)
         new = Message(
-            task_id=owed.task_id or drawn,
+            task_id=owed.task_id,
             key=key,
             version=version,
             duration=duration,
