@@ -6,11 +6,15 @@ deleted by the other."""
 
 from __future__ import annotations
 
-import itertools
+import contextlib
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 import pytest
@@ -21,7 +25,9 @@ from celery_exclusive.core.lease import acquire
 from celery_exclusive.core.lock import ExclusiveLock
 from celery_exclusive.errors import ConfigurationError
 from tests.support import consul_api as api
+from tests.support.cluster import wait_until
 from tests.support.consul_emulator import ConsulEmulator, EmulatedConsul
+from tests.support.workers import ROOT
 
 
 @pytest.fixture
@@ -118,25 +124,39 @@ def test_waiting_on_a_go_holder_wakes_when_it_unlocks(store, go):
 HOLD = 0.5
 
 
-def go_relay(go: api.Client, key: str, count: int) -> tuple[threading.Event, list[float]]:
+@contextlib.contextmanager
+def go_relay(consul_server, key: str, count: int) -> Iterator[list[float]]:
     """``count`` Go clients locking ``key`` back to back, in turn, each holding it HOLD
-    seconds and each calling Lock again as soon as the one before unlocked, until the
-    returned event is set; the list receives when each of their locks was taken."""
-    stop, taken = threading.Event(), []
+    seconds and each calling Lock again as soon as the one before unlocked, in a process
+    of their own (``tests/support/consul_relay.py`` says why) until the block ends; the
+    list receives when each of their locks was taken (``time.monotonic()``)."""
+    parts = urlsplit(consul_server.url)
+    relay = subprocess.Popen(
+        [sys.executable, "-m", "tests.support.consul_relay"]
+        + [f"http://{parts.hostname}:{parts.port}", key, str(count), str(HOLD)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    taken: list[float] = []
 
-    def relay() -> None:
-        for turn in itertools.count():
-            lock = go_lock(go, key, wait=HOLD)
-            lock.opts.SessionName = f"Go client {turn % count}"
-            if lock.Lock(stop) is not None:
-                taken.append(time.monotonic())
-                stop.wait(HOLD)
-                lock.Unlock()
-            if stop.is_set():
-                return
+    def read() -> None:
+        for line in relay.stdout:
+            taken.append(float(line))
 
-    threading.Thread(target=relay, daemon=True).start()
-    return stop, taken
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        yield taken
+    finally:
+        relay.stdin.close()  # the relay's last holder unlocks, and it ends
+        try:
+            relay.wait(10)
+        finally:
+            relay.kill()
+        reader.join(10)
 
 
 def test_a_waiter_among_go_clients_relocking_back_to_back_is_served_at_the_next_release(
@@ -147,16 +167,14 @@ def test_a_waiter_among_go_clients_relocking_back_to_back_is_served_at_the_next_
     then starts to lock (a session to create, a read, the acquire)."""
     key = path()
     lock = ExclusiveLock(key, f"{consul_server.url}/?lock_delay=0&recipe=api", 10.0, wait=9.0)
-    stop, taken = go_relay(go, key, 3)
     went_before = []
-    try:
+    with go_relay(consul_server, key, 3) as taken:
+        assert wait_until(lambda: taken, 10), "the Go clients never took the key"
         for _ in range(5):
             time.sleep(1.5 * HOLD)  # into a Go client's hold
             started = time.monotonic()
             lock.acquire().release()
             went_before.append(sum(1 for at in taken if at > started))
-    finally:
-        stop.set()
     assert went_before == [0] * 5, f"Go locks taken while ours waited: {went_before}"
 
 
